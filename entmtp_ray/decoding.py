@@ -1,0 +1,274 @@
+"""The decoding loop: prefill, choose a tree, draft, verify, accept, commit. Returns a traced result.
+
+One request at a time (batch size 1). AR is the same loop with the one-node tree. Knows
+nothing about Ray or Parquet; the policy decides the tree, acceptance decides the path.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .acceptance import greedy_accept, next_token, typical_accept
+from .config import DecodingConfig
+from .heads import HydraHeads
+from .kv_cache import KVCache
+from .llama import forward_hidden
+from .loading import LoadedModel
+from .policy import Policy
+from .tree import TreeBuffers, build_buffers, chain_topology, load_topology
+
+
+@dataclass
+class StepTrace:
+    tree: str
+    nodes: int
+    accepted_length: int  # tokens this step added to the output (accepted drafts + the bonus token)
+    entropy: list[float]  # verifier next-token entropy (nats, T=1) at each accepted position
+    top1_prob: list[float]  # verifier top-1 probability (T=1) at each accepted position
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # includes the EOS token when generation stopped on one
+    output_text: str
+    finish_reason: str  # stop (EOS) | length (max new tokens) | context (context window full)
+    prefill_s: float  # prompt forward + first token
+    decode_s: float  # every draft-verify step after it
+    steps: list[StepTrace] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens per draft-verify step, bonus included (the prefill's first token is no step)."""
+        return sum(s.accepted_length for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+    def accepted_per_position(self, depth: int | None = None) -> list[float]:
+        """Fraction of steps whose draft token at depth i (1-based) was accepted, for i = 1..depth."""
+        depth = depth if depth is not None else max((s.accepted_length - 1 for s in self.steps), default=0)
+        if not self.steps:
+            return [0.0] * depth
+        return [sum(s.accepted_length > i for s in self.steps) / len(self.steps) for i in range(1, depth + 1)]
+
+    def tree_usage(self) -> dict[str, int]:
+        usage: dict[str, int] = {}
+        for s in self.steps:
+            usage[s.tree] = usage.get(s.tree, 0) + 1
+        return usage
+
+    def tree_switches(self) -> int:
+        return sum(a.tree != b.tree for a, b in zip(self.steps, self.steps[1:]))
+
+
+class Drafter(Protocol):
+    """Proposes the tree's tokens. Hydra heads in production; tests plug in oracles."""
+
+    max_depth: int
+
+    def begin(self, base_hidden: torch.Tensor, positions: torch.Tensor, capacity: int) -> None: ...
+
+    def draft(self, buffers: TreeBuffers, root: int) -> torch.Tensor: ...
+
+    def advance(self, base_hidden: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+
+class NoDrafter:
+    """For AR-only policies: the root alone."""
+
+    max_depth = 0
+
+    def __init__(self, device):
+        self.device = device
+
+    def begin(self, base_hidden, positions, capacity):
+        pass
+
+    def draft(self, buffers, root):
+        assert buffers.num_nodes == 1
+        return torch.tensor([root], device=self.device)
+
+    def advance(self, base_hidden, positions):
+        pass
+
+
+class HydraDrafter:
+    """Grounded Hydra drafting: each depth runs its head once over all expanding parents."""
+
+    def __init__(self, heads: HydraHeads, model):
+        self.heads = heads
+        self.embed = model.model.embed_tokens
+        self.lm_head = model.lm_head
+        self.rotary = model.model.rotary_emb
+        self.max_depth = heads.config.num_heads
+        self.cache: KVCache | None = None
+        self.context: torch.Tensor | None = None  # [H] context vector at the last committed position
+
+    def begin(self, base_hidden, positions, capacity):
+        if self.cache is None or self.cache.capacity < capacity:
+            self.cache = self.heads.new_cache(capacity, base_hidden.dtype, base_hidden.device)
+        if self.cache is not None:
+            self.cache.reset()
+        self.advance(base_hidden, positions)
+
+    def advance(self, base_hidden, positions):
+        self.context = self.heads.context(base_hidden, positions, self.cache, self.rotary)[-1]
+
+    def draft(self, buffers: TreeBuffers, root: int) -> torch.Tensor:
+        tokens = torch.empty(buffers.num_nodes, dtype=torch.long, device=self.context.device)  # [n]
+        tokens[0] = root
+        for level in buffers.levels:
+            paths = tokens[level.parent_paths]  # [parents, d] tokens root..parent
+            parents, d = paths.shape
+            rows = torch.cat([self.context.expand(parents, -1), self.embed(paths).reshape(parents, -1)], dim=-1)
+            logits = self.heads.logits(level.head_index, rows, self.lm_head)  # [parents, V]
+            top = logits.topk(level.top_k, dim=-1).indices.reshape(-1)  # [parents * top_k]
+            tokens[level.node_start: level.node_start + level.child_select.numel()] = top[level.child_select]
+        return tokens
+
+
+def row_generator(seed: int, row_id: str, device) -> torch.Generator:
+    """A generator seeded from the run seed and the row id, so reruns and retries reproduce."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(str(row_id).encode())) % (2**63))
+    return gen
+
+
+def _verifier_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Entropy (nats) and top-1 probability of each row of logits [a, V] at T=1."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    probs = log_probs.exp()
+    entropy = -(probs * log_probs).sum(-1)
+    return entropy.tolist(), probs.max(-1).values.tolist()
+
+
+class SpecDecoder:
+    """Holds a model, its drafter and every tree a policy may pick (buffers built once)."""
+
+    def __init__(self, loaded: LoadedModel, drafter: Drafter | None, policy: Policy):
+        self.loaded = loaded
+        self.drafter = drafter or NoDrafter(loaded.device)
+        self.policy = policy
+        self.buffers: dict[str, TreeBuffers] = {}
+        for spec in policy.trees():
+            topology = load_topology(spec, max_depth=self.drafter.max_depth)
+            if topology.depth > 0 and isinstance(self.drafter, NoDrafter):
+                raise ValueError(f"policy '{policy.name}' drafts with tree '{spec}' but no heads were loaded; "
+                                 "pass --heads DIR")
+            self.buffers[spec] = build_buffers(topology, loaded.device)
+        self.ar = build_buffers(chain_topology(0), loaded.device)
+        self.max_nodes = max(b.num_nodes for b in self.buffers.values())
+        self.cache: KVCache | None = None
+
+    def _cache_for(self, capacity: int) -> KVCache:
+        if self.cache is None or self.cache.capacity < capacity:
+            cfg = self.loaded.model.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, capacity,
+                                 self.loaded.dtype, self.loaded.device)
+        self.cache.reset()
+        return self.cache
+
+    def _sync(self) -> None:
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+
+    def _accept(self, tokens, scored_logits, buffers, cfg: DecodingConfig) -> torch.Tensor:
+        if cfg.acceptance == "typical" and cfg.temperature > 0:
+            return typical_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices,
+                                  cfg.temperature, cfg.typical_epsilon, cfg.typical_alpha)
+        return greedy_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], cfg: DecodingConfig,
+                 generator: torch.Generator | None = None) -> GenerationResult:
+        model, dev = self.loaded.model, self.loaded.device
+        lm_head, eos = model.lm_head, self.loaded.eos_token_ids
+        max_new = cfg.max_new_tokens
+        capacity = min(self.loaded.max_positions, len(prompt_ids) + max_new + self.max_nodes)
+        if len(prompt_ids) >= capacity:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
+                             f"{self.loaded.max_positions}-token context")
+        self.policy.reset()
+        start = time.perf_counter()
+
+        # 0) prefill: the prompt, causally; its last logits give the first token (the first root)
+        cache = self._cache_for(capacity)
+        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)  # [p]
+        positions = torch.arange(prompt.numel(), device=dev)  # [p]
+        hidden = forward_hidden(model, cache, prompt, positions)  # [p, H]
+        cache.keep(positions)
+        root = next_token(lm_head(hidden[-1]), cfg.temperature, generator)
+        self.drafter.begin(hidden, positions, capacity)
+        output: list[int] = []
+        finish = _extend(output, [root], eos, max_new)
+        self._sync()
+        prefill_s = time.perf_counter() - start
+
+        steps: list[StepTrace] = []
+        while finish is None:
+            # 1) choose the tree; near the end of the context fall back to one node
+            spec = self.policy.choose()
+            buffers = self.buffers[spec]
+            committed = cache.length
+            if committed + buffers.num_nodes > capacity:
+                if committed + 1 > capacity:
+                    finish = "context"
+                    break
+                buffers = self.ar
+            # 2) draft the tree's tokens below the root
+            tokens = self.drafter.draft(buffers, root)  # [n]
+            # 3) verify the whole tree in one forward under the tree mask
+            positions = committed + buffers.depth_of  # [n]
+            hidden = forward_hidden(model, cache, tokens, positions, buffers.tree_mask)  # [n, H]
+            scored_logits = lm_head(hidden[buffers.scored_nodes])  # [scored, V]
+            # 4) accept a path, then pick the token after it
+            accepted = self._accept(tokens, scored_logits, buffers, cfg)  # [a] node indices, root first
+            last = int(accepted[-1])
+            last_row = int(buffers.row_of_node[last])
+            last_logits = scored_logits[last_row] if last_row >= 0 else lm_head(hidden[last])  # [V]
+            root = next_token(last_logits, cfg.temperature, generator)
+            # 5) commit the accepted path to both caches
+            cache.keep(accepted)
+            self.drafter.advance(hidden[accepted], committed + torch.arange(accepted.numel(), device=dev))
+            # 6) emit and trace
+            new_tokens = tokens[accepted[1:]].tolist() + [root]
+            before = len(output)
+            finish = _extend(output, new_tokens, eos, max_new)
+            rows = buffers.row_of_node[accepted[:-1]]
+            entropy, top1 = _verifier_stats(torch.cat([scored_logits[rows], last_logits[None]]))
+            steps.append(StepTrace(buffers.topology.name, buffers.num_nodes, len(output) - before, entropy, top1))
+            self.policy.observe(steps[-1])
+
+        self._sync()
+        decode_s = time.perf_counter() - start - prefill_s
+        return GenerationResult(
+            prompt_token_ids=list(prompt_ids), output_token_ids=output, output_text=self.loaded.decode(output),
+            finish_reason=finish, prefill_s=prefill_s, decode_s=decode_s, steps=steps)
+
+
+def _extend(output: list[int], new_tokens: list[int], eos: frozenset[int], max_new: int) -> str | None:
+    """Append tokens until EOS or the token limit; return the finish reason, or None to go on."""
+    for token in new_tokens:
+        output.append(token)
+        if token in eos:
+            return "stop"
+        if len(output) >= max_new:
+            return "length"
+    return None
+

@@ -1,0 +1,242 @@
+"""Hydra draft heads: modules, our own save/load, and the published Hydra checkpoint format.
+
+No tree logic here: a head maps a batch of draft rows [h, E(root), E(d_1), ..., E(d_i)] to
+vocabulary logits; which rows to run is decoding's business.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, Field
+from safetensors.torch import load_file, save_file
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+from .kv_cache import KVCache
+from .llama import attention_mask, decoder_layer, rotary
+
+CONFIG_FILE = "heads_config.json"
+WEIGHTS_FILE = "heads.safetensors"
+FORMAT_VERSION = 1
+
+
+class HeadsConfig(BaseModel):
+    """Shape of a set of Hydra heads; saved beside the weights."""
+
+    format_version: int = FORMAT_VERSION
+    arch: Literal["prefix-mlp", "mlp"] = Field(
+        "prefix-mlp", description="prefix-mlp = Hydra++ (one extra decoder layer builds the context); "
+        "mlp = original Hydra (context is the base hidden state itself)")
+    num_heads: int = Field(4, ge=1, description="draft depth the heads support; trees deeper than this are refused")
+    num_layers: int = Field(4, ge=1, description="residual blocks per head: one widening block, then one "
+                            "tied H->H block applied num_layers-1 times (as the reference ties them)")
+    hidden_size: int
+    vocab_size: int
+    shared_lm_head: bool = Field(
+        False, description="reuse the base model's lm_head instead of one vocab projection per head; "
+        "the only shippable choice for small models (a 49k x 576 projection is 28M parameters)")
+    base_model: str = Field("", description="model the heads were trained for; a mismatch is warned about")
+    hidden_state_offset: int = 0
+
+
+class HeadMLP(nn.Module):
+    """One head's trunk: res(x) + SiLU(W x) from (i+2)H to H, then the tied H->H block."""
+
+    def __init__(self, in_features: int, hidden: int, num_layers: int):
+        super().__init__()
+        self.first_linear = nn.Linear(in_features, hidden)
+        self.first_res = nn.Linear(in_features, hidden)
+        self.block = nn.Linear(hidden, hidden)
+        self.repeats = num_layers - 1
+        nn.init.zeros_(self.first_linear.weight)  # start as the residual map, as Hydra does
+        nn.init.zeros_(self.block.weight)
+
+    def forward(self, x: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+        x = F.dropout(x, dropout, self.training)
+        x = self.first_res(x) + F.silu(self.first_linear(x))
+        for _ in range(self.repeats):
+            x = F.dropout(x, dropout, self.training)
+            x = x + F.silu(self.block(x))
+        return x
+
+
+class HydraHeads(nn.Module):
+    def __init__(self, config: HeadsConfig, base_config):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        if config.arch == "prefix-mlp":
+            prefix_cfg = copy.deepcopy(base_config)
+            prefix_cfg.num_hidden_layers = 1
+            self.prefix_layer = LlamaDecoderLayer(prefix_cfg, layer_idx=0)
+            self.prefix_norm = LlamaRMSNorm(h, eps=base_config.rms_norm_eps)
+        else:
+            self.prefix_layer = None
+            self.prefix_norm = None
+        self.mlps = nn.ModuleList(HeadMLP((i + 2) * h, h, config.num_layers) for i in range(config.num_heads))
+        self.lm_heads = None if config.shared_lm_head else nn.ModuleList(
+            nn.Linear(h, config.vocab_size) for _ in range(config.num_heads))
+
+    def new_cache(self, capacity: int, dtype, device) -> KVCache | None:
+        """The prefix layer's own KV cache (None for the `mlp` arch)."""
+        if self.prefix_layer is None:
+            return None
+        attn = self.prefix_layer.self_attn
+        num_kv = attn.k_proj.out_features // attn.head_dim
+        return KVCache(1, num_kv, attn.head_dim, capacity, dtype, device)
+
+    def context(self, base_hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                rotary_emb: nn.Module) -> torch.Tensor:
+        """Context vectors [n, H] for newly committed tokens.
+
+        base_hidden: [n, H] final (post-norm) base hidden states of the committed tokens, at
+        `positions` ([n]). The prefix layer runs causally over them and commits them to its cache.
+        """
+        if self.prefix_layer is None:
+            return base_hidden
+        x = base_hidden[None]
+        n = x.shape[1]
+        mask = attention_mask(None, cache.length, n, x.device)
+        out = decoder_layer(self.prefix_layer, x, rotary(rotary_emb, x, positions), cache, 0, mask)
+        cache.keep(torch.arange(n, device=x.device))
+        return self.prefix_norm(out)[0]
+
+    def head_hidden(self, head: int, rows: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+        """rows: [..., (head + 2) * H] -> [..., H] before the vocab projection."""
+        return self.mlps[head](rows, dropout)
+
+    def project(self, head: int, hidden: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        """[..., H] -> [..., V] with the head's own projection or the shared base lm_head."""
+        return base_lm_head(hidden) if self.lm_heads is None else self.lm_heads[head](hidden)
+
+    def logits(self, head: int, rows: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
+        return self.project(head, self.head_hidden(head, rows), base_lm_head)
+
+
+def init_heads(base_model, num_heads: int = 4, num_layers: int = 4, arch: str = "prefix-mlp",
+               shared_lm_head: bool = True, seed: int = 0, base_name: str = "") -> HydraHeads:
+    """Fresh (untrained) heads for `base_model`, deterministically initialised from `seed`."""
+    cfg = base_model.config
+    config = HeadsConfig(arch=arch, num_heads=num_heads, num_layers=num_layers, hidden_size=cfg.hidden_size,
+                         vocab_size=cfg.vocab_size, shared_lm_head=shared_lm_head, base_model=base_name)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        heads = HydraHeads(config, cfg)
+    if heads.lm_heads is not None:
+        with torch.no_grad():
+            for proj in heads.lm_heads:
+                proj.weight.copy_(base_model.lm_head.weight)
+                proj.bias.zero_()
+    return heads
+
+
+def save_heads(heads: HydraHeads, directory: str | Path) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_text(heads.config.model_dump_json(indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_FILE))
+
+
+def load_heads(directory: str | Path, base_model) -> HydraHeads:
+    """Our format (heads_config.json + heads.safetensors) or the published Hydra one (config.json +
+    hydra_lm_head.pt), detected from the files present."""
+    directory = Path(directory)
+    if (directory / CONFIG_FILE).is_file():
+        config = HeadsConfig.model_validate_json((directory / CONFIG_FILE).read_text())
+        if config.format_version != FORMAT_VERSION:
+            raise ValueError(f"heads {directory}: format_version {config.format_version} is not "
+                             f"{FORMAT_VERSION}; retrain or convert the heads")
+        _check_dims(config, base_model, directory)
+        heads = HydraHeads(config, base_model.config)
+        heads.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
+        return heads
+    if (directory / "hydra_lm_head.pt").is_file():
+        return load_hydra_checkpoint(directory, base_model)
+    raise FileNotFoundError(
+        f"no heads in {directory}: expected {CONFIG_FILE} + {WEIGHTS_FILE} (this project's format) or "
+        "config.json + hydra_lm_head.pt (a published Hydra checkpoint, e.g. a local copy of "
+        "ankner/hydra-vicuna-7b-v1.3); pass the right directory with --heads")
+
+
+def _check_dims(config: HeadsConfig, base_model, where) -> None:
+    cfg = base_model.config
+    if (config.hidden_size, config.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise ValueError(
+            f"heads {where}: hidden/vocab {config.hidden_size}/{config.vocab_size} do not match the base model's "
+            f"{cfg.hidden_size}/{cfg.vocab_size}; pass heads trained for this --model")
+
+
+# Published Hydra layout: hydra_mlp.{i} is a Sequential. prefix-mlp interleaves Dropouts
+# (blocks at 1, 3, 5, 7; lm head at hydra_lm_head.{i}.1); mlp has no Dropouts (blocks at 0, 1, 2, ...).
+_FIRST_BLOCK = {"prefix-mlp": 1, "mlp": 0}
+_BLOCK_STRIDE = {"prefix-mlp": 2, "mlp": 1}
+_LM_HEAD = {"prefix-mlp": "hydra_lm_head.{i}.1.", "mlp": "hydra_lm_head.{i}."}
+_IGNORED = re.compile(r"^(input_embed_fn\.|prefix_embeding_layer\.embed_tokens\.|.*rotary_emb\.inv_freq$)")
+
+
+def load_hydra_checkpoint(directory: str | Path, base_model) -> HydraHeads:
+    """Heads from a published Hydra checkpoint directory (config.json + hydra_lm_head.pt)."""
+    directory = Path(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    arch = raw.get("hydra_head_arch", "mlp")
+    if arch not in _FIRST_BLOCK:
+        raise ValueError(f"heads {directory}: hydra_head_arch '{arch}' is not supported; "
+                         f"supported: {sorted(_FIRST_BLOCK)}")
+    if not raw.get("grounded_heads", True):
+        raise ValueError(f"heads {directory}: ungrounded (Medusa-style) Hydra heads are not supported; "
+                         "use grounded heads")
+    cfg = base_model.config
+    config = HeadsConfig(arch=arch, num_heads=raw["hydra_num_heads"], num_layers=raw["hydra_num_layers"],
+                         hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, shared_lm_head=False,
+                         base_model=raw.get("base_model_name_or_path", ""),
+                         hidden_state_offset=raw.get("hidden_state_offset", 0))
+    source = torch.load(directory / "hydra_lm_head.pt", map_location="cpu", weights_only=True)
+    state = _map_hydra_state(source, config, directory)
+    heads = HydraHeads(config, cfg)
+    target_dtype = next(iter(heads.state_dict().values())).dtype
+    heads.load_state_dict({k: v.to(target_dtype) for k, v in state.items()})
+    return heads
+
+
+def _map_hydra_state(source: dict, config: HeadsConfig, where) -> dict:
+    arch, state, used = config.arch, {}, set()
+
+    def take(src_key: str, dst_key: str) -> None:
+        if src_key not in source:
+            raise ValueError(f"heads {where}: hydra_lm_head.pt lacks '{src_key}' for a {arch} checkpoint "
+                             f"with {config.num_heads} heads x {config.num_layers} layers")
+        state[dst_key] = source[src_key]
+        used.add(src_key)
+
+    if arch == "prefix-mlp":
+        for key in source:
+            if key.startswith("prefix_embeding_layer.layers.0.") and not _IGNORED.match(key):
+                take(key, "prefix_layer." + key[len("prefix_embeding_layer.layers.0."):])
+        take("prefix_embeding_layer.norm.weight", "prefix_norm.weight")
+    first, stride = _FIRST_BLOCK[arch], _BLOCK_STRIDE[arch]
+    for i in range(config.num_heads):
+        for part in ("weight", "bias"):
+            take(f"hydra_mlp.{i}.{first}.linear.{part}", f"mlps.{i}.first_linear.{part}")
+            take(f"hydra_mlp.{i}.{first}.res_connection.{part}", f"mlps.{i}.first_res.{part}")
+            take(_LM_HEAD[arch].format(i=i) + part, f"lm_heads.{i}.{part}")
+            tied = [f"hydra_mlp.{i}.{first + stride * j}.linear.{part}" for j in range(1, config.num_layers)]
+            if tied:
+                take(tied[0], f"mlps.{i}.block.{part}")
+                for key in tied[1:]:
+                    take(key, f"mlps.{i}.block.{part}")
+                    if not torch.equal(source[key], source[tied[0]]):
+                        raise ValueError(f"heads {where}: '{key}' differs from '{tied[0]}'; the H->H blocks "
+                                         "must be tied as in the reference Hydra code")
+    unknown = [k for k in source if k not in used and not _IGNORED.match(k)]
+    if unknown:
+        raise ValueError(f"heads {where}: unexpected keys {unknown[:5]} in hydra_lm_head.pt; "
+                         "is this a Hydra checkpoint of a supported arch?")
+    return state

