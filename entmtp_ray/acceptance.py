@@ -54,10 +54,11 @@ def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torc
         return retrieve[0, :1]
     valid, parent_rows, child_tokens = _path_parts(tokens, row_of_node, retrieve)
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [scored, V]
-    entropy = -(log_probs.exp() * log_probs).sum(-1)  # [scored]
+    probs = log_probs.exp()
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [scored]; 0 log 0 = 0 for masked logits
     threshold = torch.clamp(alpha * torch.exp(-entropy), max=epsilon)  # [scored]
     child_log_probs = log_probs[parent_rows, child_tokens]  # [paths, depth]
-    accept = valid & (child_log_probs.exp() > threshold[parent_rows])
+    accept = valid & (probs[parent_rows, child_tokens] > threshold[parent_rows])
     prefix = accept.long().cumprod(1)  # [paths, depth], 1 while still accepted
     lengths = prefix.sum(1)
     longest = int(lengths.max())

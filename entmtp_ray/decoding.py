@@ -17,7 +17,7 @@ from .acceptance import greedy_accept, next_token, typical_accept
 from .config import DecodingConfig
 from .heads import HydraHeads
 from .kv_cache import KVCache
-from .llama import forward_hidden
+from .llama import forward_hidden, linear
 from .loading import LoadedModel
 from .policy import Policy
 from .tree import TreeBuffers, build_buffers, chain_topology, load_topology
@@ -153,7 +153,7 @@ def _verifier_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
     """Entropy (nats) and top-1 probability of each row of logits [a, V] at T=1."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     probs = log_probs.exp()
-    entropy = -(probs * log_probs).sum(-1)
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)  # 0 log 0 = 0 for masked logits
     return entropy.tolist(), probs.max(-1).values.tolist()
 
 
@@ -213,7 +213,7 @@ class SpecDecoder:
         positions = torch.arange(prompt.numel(), device=dev)  # [p]
         hidden = forward_hidden(model, cache, prompt, positions)  # [p, H]
         cache.keep(positions)
-        root = next_token(lm_head(hidden[-1]), cfg.temperature, generator)
+        root = next_token(linear(hidden[-1], lm_head), cfg.temperature, generator)
         self.drafter.begin(hidden, positions, capacity)
         output: list[int] = []
         finish = _extend(output, [root], eos, max_new)
@@ -236,12 +236,12 @@ class SpecDecoder:
             # 3) verify the whole tree in one forward under the tree mask
             positions = committed + buffers.depth_of  # [n]
             hidden = forward_hidden(model, cache, tokens, positions, buffers.tree_mask)  # [n, H]
-            scored_logits = lm_head(hidden[buffers.scored_nodes])  # [scored, V]
+            scored_logits = linear(hidden[buffers.scored_nodes], lm_head)  # [scored, V]
             # 4) accept a path, then pick the token after it
             accepted = self._accept(tokens, scored_logits, buffers, cfg)  # [a] node indices, root first
             last = int(accepted[-1])
             last_row = int(buffers.row_of_node[last])
-            last_logits = scored_logits[last_row] if last_row >= 0 else lm_head(hidden[last])  # [V]
+            last_logits = scored_logits[last_row] if last_row >= 0 else linear(hidden[last], lm_head)  # [V]
             root = next_token(last_logits, cfg.temperature, generator)
             # 5) commit the accepted path to both caches
             cache.keep(accepted)

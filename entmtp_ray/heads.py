@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from .kv_cache import KVCache
-from .llama import attention_mask, decoder_layer, rotary
+from .llama import attention_mask, decoder_layer, linear, rotary
 
 CONFIG_FILE = "heads_config.json"
 WEIGHTS_FILE = "heads.safetensors"
@@ -114,7 +114,7 @@ class HydraHeads(nn.Module):
 
     def project(self, head: int, hidden: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         """[..., H] -> [..., V] with the head's own projection or the shared base lm_head."""
-        return base_lm_head(hidden) if self.lm_heads is None else self.lm_heads[head](hidden)
+        return linear(hidden, base_lm_head if self.lm_heads is None else self.lm_heads[head])
 
     def logits(self, head: int, rows: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         return self.project(head, self.head_hidden(head, rows), base_lm_head)
@@ -198,28 +198,35 @@ def load_hydra_checkpoint(directory: str | Path, base_model) -> HydraHeads:
                          hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, shared_lm_head=False,
                          base_model=raw.get("base_model_name_or_path", ""),
                          hidden_state_offset=raw.get("hidden_state_offset", 0))
+    if config.hidden_state_offset != 0:
+        raise ValueError(f"heads {directory}: hidden_state_offset {config.hidden_state_offset} is not supported "
+                         "(only 0, as in the published Hydra++ heads)")
     source = torch.load(directory / "hydra_lm_head.pt", map_location="cpu", weights_only=True)
-    state = _map_hydra_state(source, config, directory)
     heads = HydraHeads(config, cfg)
-    target_dtype = next(iter(heads.state_dict().values())).dtype
-    heads.load_state_dict({k: v.to(target_dtype) for k, v in state.items()})
+    expected = heads.state_dict()
+    state = _map_hydra_state(source, config, expected, directory)
+    heads.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
     return heads
 
 
-def _map_hydra_state(source: dict, config: HeadsConfig, where) -> dict:
+def _map_hydra_state(source: dict, config: HeadsConfig, expected: dict, where) -> dict:
+    """Our state dict from the published one; every expected key must come from a source key."""
     arch, state, used = config.arch, {}, set()
 
     def take(src_key: str, dst_key: str) -> None:
         if src_key not in source:
             raise ValueError(f"heads {where}: hydra_lm_head.pt lacks '{src_key}' for a {arch} checkpoint "
                              f"with {config.num_heads} heads x {config.num_layers} layers")
+        if source[src_key].shape != expected[dst_key].shape:
+            raise ValueError(f"heads {where}: '{src_key}' has shape {tuple(source[src_key].shape)}, expected "
+                             f"{tuple(expected[dst_key].shape)} for this --model; pass heads trained for it")
         state[dst_key] = source[src_key]
         used.add(src_key)
 
     if arch == "prefix-mlp":
-        for key in source:
-            if key.startswith("prefix_embeding_layer.layers.0.") and not _IGNORED.match(key):
-                take(key, "prefix_layer." + key[len("prefix_embeding_layer.layers.0."):])
+        for key in expected:
+            if key.startswith("prefix_layer."):
+                take("prefix_embeding_layer.layers.0." + key[len("prefix_layer."):], key)
         take("prefix_embeding_layer.norm.weight", "prefix_norm.weight")
     first, stride = _FIRST_BLOCK[arch], _BLOCK_STRIDE[arch]
     for i in range(config.num_heads):

@@ -1,0 +1,100 @@
+"""One-machine CLI: `python -m entmtp_ray generate ...` prints one JSON object per prompt."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import torch
+from pydantic import ValidationError
+
+from .config import DecodingConfig, ModelConfig
+from .engine import Engine
+from .loading import EMBEDDED_MODEL
+from .policy import POLICIES
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=EMBEDDED_MODEL, help="hub id, local directory, or %(default)s")
+    g.add_argument("--heads", default=None, help="heads directory; default: the ones shipped for --model; "
+                   "'untrained' = random heads (exact output, little speedup)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    g.add_argument("--device", default="auto", help="cpu | cuda[:N] | auto")
+    g.add_argument("--chat-format", default="auto", choices=["auto", "template", "vicuna_v1.1", "raw"])
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--policy", default="hydra", help=f"one of {sorted(POLICIES)}")
+    g.add_argument("--tree", default=None, help="tree for --policy fixed: built-in name or JSON file of paths")
+    g.add_argument("--task", default=None, help="task name (picks the topology bank of entmtp policies)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--acceptance", default="greedy", choices=["greedy", "typical"])
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-input-tokens", type=int, default=1400)
+    g.add_argument("--seed", type=int, default=123)
+
+
+def configs_from_args(args) -> tuple[ModelConfig, DecodingConfig]:
+    model_cfg = ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
+                            chat_format=args.chat_format)
+    decoding = DecodingConfig(policy=args.policy, tree=args.tree, temperature=args.temperature,
+                              acceptance=args.acceptance, max_new_tokens=args.max_new_tokens,
+                              max_input_tokens=args.max_input_tokens, seed=args.seed)
+    return model_cfg, decoding
+
+
+def read_prompts(args) -> list[tuple[str, object]]:
+    """(id, prompt) pairs; a malformed line is kept as a prompt-less row so it reports an error."""
+    if args.prompt is not None:
+        return [("prompt-0", args.prompt)]
+    rows = []
+    with open(args.prompts_file) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                rows.append((f"line-{n}", None))
+                continue
+            rows.append((str(obj.get("id", f"line-{n}")), obj.get("prompt")))
+    return rows
+
+
+def cmd_generate(args) -> int:
+    try:
+        model_cfg, decoding = configs_from_args(args)
+        engine = Engine(model_cfg, decoding)
+        prompts = read_prompts(args)
+    except (ValueError, ValidationError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    engine.warm_up()
+    for row_id, prompt in prompts:
+        print(json.dumps(engine.run(row_id, prompt)), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m entmtp_ray", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate for one prompt or a JSONL file of prompts")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message")
+    src.add_argument("--prompts-file", help='JSONL with {"id", "prompt"} per line')
+    add_model_args(gen)
+    add_decoding_args(gen)
+    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return {"generate": cmd_generate}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""One process's generation service: configs in, a ready decoder; a prompt in, an output row out.
+
+Shared by the one-machine CLI and the Ray actor. A bad row (empty, non-string or over-long
+prompt, or a failure while decoding it) becomes a row with `error` set; a broken config
+fails in the constructor, before any row runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import DecodingConfig, ModelConfig
+from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
+from .loading import load_model, load_model_heads
+from .policy import make_policy
+from .records import error_row, result_row
+from .tree import load_topology
+
+log = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "Say hello."
+
+
+class Engine:
+    def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig):
+        self.model_cfg = model_cfg
+        self.decoding = decoding
+        policy = make_policy(decoding)
+        needs_heads = any(load_topology(spec).depth > 0 for spec in policy.trees())  # also validates tree files
+        self.loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
+        drafter = None
+        self.heads_label = None
+        if needs_heads:
+            heads = load_model_heads(self.loaded, model_cfg.heads)
+            drafter = HydraDrafter(heads, self.loaded.model)
+            self.heads_label = model_cfg.heads or "shipped"
+        self.decoder = SpecDecoder(self.loaded, drafter, policy)
+
+    def warm_up(self, max_new_tokens: int = 16) -> None:
+        """One short generation outside any timed region (allocates caches, warms kernels)."""
+        cfg = self.decoding.model_copy(update={"max_new_tokens": max_new_tokens})
+        self.decoder.generate(self.loaded.encode_prompt(WARMUP_PROMPT), cfg, row_generator(cfg.seed, "warmup",
+                                                                                            self.loaded.device))
+
+    def encode(self, prompt) -> list[int]:
+        """Prompt ids for one user message; ValueError with the reason for a bad prompt."""
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise ValueError("empty prompt: nothing to generate from")
+        ids = self.loaded.encode_prompt(prompt)
+        limit = self.decoding.max_input_tokens
+        if len(ids) > limit:
+            raise ValueError(f"prompt has {len(ids)} tokens, over --max-input-tokens {limit}; shorten it or "
+                             "raise --max-input-tokens")
+        return ids
+
+    def generate(self, row_id, prompt) -> GenerationResult:
+        ids = self.encode(prompt)
+        gen = row_generator(self.decoding.seed, row_id, self.loaded.device)
+        return self.decoder.generate(ids, self.decoding, gen)
+
+    def run(self, row_id, prompt) -> dict:
+        """The output row for one prompt; never raises for a bad row."""
+        context = {"id": row_id, "prompt": prompt if isinstance(prompt, str) else repr(prompt),
+                   "model": self.model_cfg.model, "heads": self.heads_label, "decoding": self.decoding,
+                   "max_depth": self.decoder.drafter.max_depth}
+        try:
+            result = self.generate(row_id, prompt)
+        except ValueError as exc:
+            return error_row(context, str(exc))
+        except RuntimeError as exc:  # e.g. a decode failure on this row only
+            log.exception("row %s failed", row_id)
+            return error_row(context, f"{type(exc).__name__}: {exc}")
+        return result_row(context, result)
