@@ -9,6 +9,7 @@ import sys
 
 import torch
 from pydantic import ValidationError
+from transformers.utils import logging as transformers_logging
 
 from .config import DecodingConfig, ModelConfig
 from .engine import Engine
@@ -47,10 +48,10 @@ def configs_from_args(args) -> tuple[ModelConfig, DecodingConfig]:
     return model_cfg, decoding
 
 
-def read_prompts(args) -> list[tuple[str, object]]:
-    """(id, prompt) pairs; a malformed line is kept as a prompt-less row so it reports an error."""
+def read_prompts(args) -> list[tuple[str, object, str | None]]:
+    """(id, prompt, error) triples; a malformed line is kept, with its error, so it gets an output row."""
     if args.prompt is not None:
-        return [("prompt-0", args.prompt)]
+        return [("prompt-0", args.prompt, None)]
     rows = []
     with open(args.prompts_file) as f:
         for n, line in enumerate(f, start=1):
@@ -58,10 +59,13 @@ def read_prompts(args) -> list[tuple[str, object]]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
-                rows.append((f"line-{n}", None))
+            except json.JSONDecodeError as exc:
+                rows.append((f"line-{n}", None, f"line {n} of {args.prompts_file} is not valid JSON ({exc})"))
                 continue
-            rows.append((str(obj.get("id", f"line-{n}")), obj.get("prompt")))
+            if not isinstance(obj, dict):
+                rows.append((f"line-{n}", None, f'line {n}: expected an object {{"id", "prompt"}}'))
+                continue
+            rows.append((str(obj.get("id", f"line-{n}")), obj.get("prompt"), None))
     return rows
 
 
@@ -74,8 +78,9 @@ def cmd_generate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine.warm_up()
-    for row_id, prompt in prompts:
-        print(json.dumps(engine.run(row_id, prompt)), flush=True)
+    for row_id, prompt, error in prompts:
+        row = engine.error_row(row_id, prompt, error) if error else engine.run(row_id, prompt)
+        print(json.dumps(row), flush=True)
     return 0
 
 
@@ -91,6 +96,7 @@ def main(argv=None) -> int:
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    transformers_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
     return {"generate": cmd_generate}[args.command](args)

@@ -60,16 +60,22 @@ class Engine:
         gen = row_generator(self.decoding.seed, row_id, self.loaded.device)
         return self.decoder.generate(ids, self.decoding, gen)
 
+    def _context(self, row_id, prompt) -> dict:
+        return {"id": row_id, "prompt": prompt if isinstance(prompt, str) or prompt is None else repr(prompt),
+                "model": self.model_cfg.model, "heads": self.heads_label, "decoding": self.decoding,
+                "max_depth": self.decoder.drafter.max_depth}
+
+    def error_row(self, row_id, prompt, message: str) -> dict:
+        """The output row of a row that cannot run (e.g. unreadable input)."""
+        return error_row(self._context(row_id, prompt), message)
+
     def run(self, row_id, prompt) -> dict:
         """The output row for one prompt; never raises for a bad row."""
-        context = {"id": row_id, "prompt": prompt if isinstance(prompt, str) else repr(prompt),
-                   "model": self.model_cfg.model, "heads": self.heads_label, "decoding": self.decoding,
-                   "max_depth": self.decoder.drafter.max_depth}
         try:
             result = self.generate(row_id, prompt)
         except ValueError as exc:
-            return error_row(context, str(exc))
+            return self.error_row(row_id, prompt, str(exc))
         except RuntimeError as exc:  # e.g. a decode failure on this row only
             log.exception("row %s failed", row_id)
-            return error_row(context, f"{type(exc).__name__}: {exc}")
-        return result_row(context, result)
+            return self.error_row(row_id, prompt, f"{type(exc).__name__}: {exc}")
+        return result_row(self._context(row_id, prompt), result)

@@ -9,7 +9,9 @@ at the first differing position are within float noise (a tie; none has been see
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,18 +24,8 @@ from entmtp_ray.tree import make_topology
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "Write a long story about a dragon who learns to bake bread.",
-    "Explain in detail how a car engine works.",
-    "List twenty animals and one fact about each.",
-    "Write a Python class for a bank account with deposit, withdraw and a history of transactions.",
-    "Describe the water cycle step by step for a school report.",
-    "Janet has 3 apples and buys 5 bags of 4 apples each. She gives away 7. Explain step by step how many she has.",
-    "Write a letter to a friend about your summer holiday at the sea.",
-    "What are the main causes of the French Revolution? Answer in several paragraphs.",
-    "Give me a detailed recipe for a chocolate cake.",
-    "Compare Python and JavaScript for a beginner, with examples.",
-]
+PROMPTS = [json.loads(line)["prompt"] for line in
+           (Path(__file__).parent.parent / "examples" / "bench_prompts.jsonl").read_text().splitlines()]
 MAX_NEW = 128
 TIE_TOLERANCE = 1e-4
 
@@ -152,7 +144,7 @@ def test_trees_with_oracle_drafts_equal_generate(loaded, references, tree, tmp_p
     spec = tree
     if tree == "random":
         spec = str(tmp_path / "random.json")
-        (tmp_path / "random.json").write_text(__import__("json").dumps(random_tree(7, 12, 4).to_json()))
+        (tmp_path / "random.json").write_text(json.dumps(random_tree(7, 12, 4).to_json()))
     vocab = loaded.model.config.vocab_size
     taus = run_tree(loaded, references, spec,
                     lambda k, ids, want: OracleDrafter(len(ids), want, 4, seed=k, vocab=vocab))

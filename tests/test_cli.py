@@ -1,0 +1,84 @@
+"""The one-machine CLI on the embedded model: bad rows become error rows, broken configs fail at start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "entmtp_ray", "generate"]
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_bad_rows_become_error_rows_and_good_rows_still_run(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        json.dumps({"id": "good", "prompt": "What is the capital of France?"}),
+        json.dumps({"id": "empty", "prompt": "   "}),
+        json.dumps({"id": "long", "prompt": "tell me " * 80}),
+        json.dumps({"id": "number", "prompt": 42}),
+        "{not json",
+        json.dumps({"id": "good2", "prompt": "Name a colour."}),
+    ]
+    prompts.write_text("\n".join(lines) + "\n")
+    proc = run_cli("--prompts-file", str(prompts), "--policy", "hydra", "--heads", "untrained",
+                   "--max-new-tokens", "8", "--max-input-tokens", "100")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert list(rows) == ["good", "empty", "long", "number", "line-5", "good2"]
+    for good in ("good", "good2"):
+        row = rows[good]
+        assert row["error"] is None and row["num_output_tokens"] > 0 and row["output_text"]
+        assert row["steps"] > 0 and row["mean_accepted_length"] >= 1.0 and row["tree_usage"] == {"hydra": row["steps"]}
+        assert len(row["accepted_per_position"]) == 4 and row["tokens_per_s"] > 0
+        assert row["total_s"] == pytest.approx(row["prefill_s"] + row["decode_s"])
+    assert "empty prompt" in rows["empty"]["error"]
+    assert "--max-input-tokens 100" in rows["long"]["error"]
+    assert "must be a string" in rows["number"]["error"]
+    assert "not valid JSON" in rows["line-5"]["error"]
+    assert all(rows[k]["output_text"] is None for k in ("empty", "long", "number", "line-5"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "nope"], "unknown policy 'nope'; choose one of"),
+    (["--policy", "fixed", "--tree", "no-such-tree"], "unknown tree 'no-such-tree'"),
+    (["--policy", "fixed"], "--policy fixed needs --tree"),
+    (["--policy", "hydra", "--temperature", "0.7"], "--acceptance greedy needs --temperature 0"),
+])
+def test_broken_config_fails_before_loading(args, message):
+    proc = run_cli("--prompt", "hi", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_malformed_tree_file_fails_at_start(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[[0], [0, 0], [2]]")  # rank 2 at the root without rank 1
+    proc = run_cli("--prompt", "hi", "--policy", "fixed", "--tree", str(bad))
+    assert proc.returncode == 2
+    assert "path [2] skips rank 1" in proc.stderr
+    bad.write_text("{oops")
+    proc = run_cli("--prompt", "hi", "--policy", "fixed", "--tree", str(bad))
+    assert proc.returncode == 2 and "is not valid JSON" in proc.stderr
+
+
+@pytest.mark.slow
+def test_tree_deeper_than_heads_fails_at_start(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps([[0] * d for d in range(1, 6)]))
+    proc = run_cli("--prompt", "hi", "--policy", "fixed", "--tree", str(deep), "--heads", "untrained")
+    assert proc.returncode == 2
+    assert "depth 5 but the heads draft at most 4" in proc.stderr and "--heads" in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_missing_heads_directory_names_the_flag(tmp_path):
+    proc = run_cli("--prompt", "hi", "--policy", "hydra", "--heads", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "--heads" in proc.stderr
