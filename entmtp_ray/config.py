@@ -39,3 +39,34 @@ class DecodingConfig(BaseModel):
             raise ValueError(f"--acceptance greedy needs --temperature 0 (got {self.temperature}); "
                              "use --acceptance typical for sampling")
         return self
+
+
+class JobConfig(BaseModel):
+    """Where the prompts come from, where rows go, and how the actor pool is shaped."""
+
+    task: str | None = Field(None, description="gsm8k | humaneval | sharegpt; or use `dataset`")
+    dataset: str | None = Field(None, description="Parquet/JSONL/CSV path or hub id; with a task, that task's "
+                                "data from a local copy (e.g. ../shared/data/gsm8k/train.jsonl)")
+    split: str = Field("test", description="split for hub datasets")
+    prompt_column: str = Field("prompt", description="column holding the user message")
+    id_column: str | None = Field(None, description="unique id column; absent -> stable ids from row order")
+    messages_column: str | None = Field(None, description="column of chat turns ({role, content} or "
+                                        "ShareGPT {from, value}); the reply to the last user turn is generated")
+    limit: int | None = Field(None, ge=1, description="sample this many rows (deterministic with `seed`)")
+    seed: int = Field(123, description="sampling seed for --limit")
+    output: str = Field(..., description="output directory of the Parquet dataset")
+    resume: bool = Field(False, description="complete a partial output: rows already written are skipped")
+    min_actors: int = Field(1, ge=1, description="actors kept alive (autoscaling pool minimum)")
+    max_actors: int = Field(1, ge=1, description="actors at most; more need more CPUs/GPUs or nodes")
+    cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; also its torch threads")
+    gpus_per_actor: float = Field(0.0, ge=0, description="GPUs per actor (1 on GPU clusters)")
+    address: str | None = Field(None, description="join this Ray cluster ('auto' inside `ray job submit`); "
+                                "absent -> a local Ray instance")
+    max_blocks: int = Field(4096, ge=1, description="upper bound on input blocks; fewer rows -> one row per "
+                            "block, so a lost actor costs one row and rows spread evenly")
+
+    @model_validator(mode="after")
+    def _pool(self):
+        if self.min_actors > self.max_actors:
+            raise ValueError(f"--min-actors {self.min_actors} > --max-actors {self.max_actors}")
+        return self

@@ -8,17 +8,33 @@ fails in the constructor, before any row runs.
 from __future__ import annotations
 
 import logging
+import time
 
 from .config import DecodingConfig, ModelConfig
 from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
-from .loading import load_model, load_model_heads
+from .loading import available_depth, load_model, load_model_heads
 from .policy import make_policy
 from .records import error_row, result_row
-from .tree import load_topology
+from .tree import load_topology, make_topology
 
 log = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "Say hello."
+
+
+def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> bool:
+    """Every config check that needs no model: policy, tree files, heads directory and depth.
+
+    Returns whether the policy drafts (needs heads). Raises ValueError/FileNotFoundError naming the fix.
+    """
+    policy = make_policy(decoding)
+    topologies = [load_topology(spec) for spec in policy.trees()]
+    needs_heads = any(t.depth > 0 for t in topologies)
+    if needs_heads:
+        depth = available_depth(model_cfg.model, model_cfg.heads)
+        for topology in topologies:
+            make_topology(topology.paths, topology.name, max_depth=depth)
+    return needs_heads
 
 
 class Engine:
@@ -26,7 +42,7 @@ class Engine:
         self.model_cfg = model_cfg
         self.decoding = decoding
         policy = make_policy(decoding)
-        needs_heads = any(load_topology(spec).depth > 0 for spec in policy.trees())  # also validates tree files
+        needs_heads = preflight(model_cfg, decoding)
         self.loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
         drafter = None
         self.heads_label = None
@@ -35,6 +51,7 @@ class Engine:
             drafter = HydraDrafter(heads, self.loaded.model)
             self.heads_label = model_cfg.heads or "shipped"
         self.decoder = SpecDecoder(self.loaded, drafter, policy)
+        self.actor_id: str | None = None  # set by the Ray actor that owns this engine
 
     def warm_up(self, max_new_tokens: int = 16) -> None:
         """One short generation outside any timed region (allocates caches, warms kernels)."""
@@ -43,10 +60,13 @@ class Engine:
                                                                                             self.loaded.device))
 
     def encode(self, prompt) -> list[int]:
-        """Prompt ids for one user message; ValueError with the reason for a bad prompt."""
-        if not isinstance(prompt, str):
+        """Prompt ids for one user message (or a list of chat turns); ValueError says why a prompt is bad."""
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(t.get("content"), str) for t in prompt):
+                raise ValueError("messages must be a non-empty list of {role, content} turns")
+        elif not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        if not prompt.strip():
+        elif not prompt.strip():
             raise ValueError("empty prompt: nothing to generate from")
         ids = self.loaded.encode_prompt(prompt)
         limit = self.decoding.max_input_tokens
@@ -63,19 +83,21 @@ class Engine:
     def _context(self, row_id, prompt) -> dict:
         return {"id": row_id, "prompt": prompt if isinstance(prompt, str) or prompt is None else repr(prompt),
                 "model": self.model_cfg.model, "heads": self.heads_label, "decoding": self.decoding,
-                "max_depth": self.decoder.drafter.max_depth}
+                "max_depth": self.decoder.drafter.max_depth, "actor_id": self.actor_id,
+                "started_at": time.time()}
 
     def error_row(self, row_id, prompt, message: str) -> dict:
         """The output row of a row that cannot run (e.g. unreadable input)."""
         return error_row(self._context(row_id, prompt), message)
 
-    def run(self, row_id, prompt) -> dict:
-        """The output row for one prompt; never raises for a bad row."""
+    def run(self, row_id, prompt, messages: list[dict] | None = None) -> dict:
+        """The output row for one prompt (or chat, `messages`); never raises for a bad row."""
+        context = self._context(row_id, prompt)
         try:
-            result = self.generate(row_id, prompt)
+            result = self.generate(row_id, messages if messages else prompt)
         except ValueError as exc:
-            return self.error_row(row_id, prompt, str(exc))
+            return error_row(context, str(exc))
         except RuntimeError as exc:  # e.g. a decode failure on this row only
             log.exception("row %s failed", row_id)
-            return self.error_row(row_id, prompt, f"{type(exc).__name__}: {exc}")
-        return result_row(self._context(row_id, prompt), result)
+            return error_row(context, f"{type(exc).__name__}: {exc}")
+        return result_row(context, result)

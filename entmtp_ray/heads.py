@@ -160,10 +160,24 @@ def load_heads(directory: str | Path, base_model) -> HydraHeads:
         return heads
     if (directory / "hydra_lm_head.pt").is_file():
         return load_hydra_checkpoint(directory, base_model)
-    raise FileNotFoundError(
+    raise _no_heads(directory)
+
+
+def _no_heads(directory: Path) -> FileNotFoundError:
+    return FileNotFoundError(
         f"no heads in {directory}: expected {CONFIG_FILE} + {WEIGHTS_FILE} (this project's format) or "
         "config.json + hydra_lm_head.pt (a published Hydra checkpoint, e.g. a local copy of "
         "ankner/hydra-vicuna-7b-v1.3); pass the right directory with --heads")
+
+
+def heads_depth(directory: str | Path) -> int:
+    """Number of heads in a heads directory, read from its config alone (no weights, no model)."""
+    directory = Path(directory)
+    if (directory / CONFIG_FILE).is_file():
+        return HeadsConfig.model_validate_json((directory / CONFIG_FILE).read_text()).num_heads
+    if (directory / "hydra_lm_head.pt").is_file() and (directory / "config.json").is_file():
+        return int(json.loads((directory / "config.json").read_text())["hydra_num_heads"])
+    raise _no_heads(directory)
 
 
 def _check_dims(config: HeadsConfig, base_model, where) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .heads import HydraHeads, init_heads, load_heads
+from .heads import HydraHeads, heads_depth, init_heads, load_heads
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +44,21 @@ class LoadedModel:
     def max_positions(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 4096))
 
-    def encode_prompt(self, user_message: str) -> list[int]:
-        """Token ids of one user turn wrapped in the model's chat format, ready for generation."""
+    def encode_prompt(self, prompt: str | list[dict]) -> list[int]:
+        """Token ids of one user message, or of chat turns [{role, content}] ending in a user turn,
+        wrapped in the model's chat format and ready for generation."""
         tok = self.tokenizer
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if self.chat_format == "template":
-            text = tok.apply_chat_template([{"role": "user", "content": user_message}], tokenize=False,
-                                           add_generation_prompt=True)
+            text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
             return tok(text, add_special_tokens=False).input_ids
         if self.chat_format == "vicuna_v1.1":
-            return tok(f"{VICUNA_SYSTEM} USER: {user_message} ASSISTANT:", add_special_tokens=True).input_ids
-        return tok(user_message, add_special_tokens=True).input_ids
+            system = next((t["content"] for t in turns if t["role"] == "system"), VICUNA_SYSTEM)
+            eos = tok.eos_token or ""
+            text = system + "".join(f" USER: {t['content']}" if t["role"] == "user" else f" ASSISTANT: {t['content']}{eos}"
+                                    for t in turns if t["role"] != "system")
+            return tok(text + " ASSISTANT:", add_special_tokens=True).input_ids
+        return tok("\n".join(t["content"] for t in turns), add_special_tokens=True).input_ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -168,18 +173,35 @@ def default_heads_path(model_name: str) -> Path | None:
     return candidate if (candidate / "heads_config.json").is_file() else None
 
 
-def load_model_heads(loaded: LoadedModel, heads_path: str | None) -> HydraHeads:
-    """Heads for `loaded`: the given directory, else the shipped ones, else an error naming the fix."""
-    if heads_path == "untrained":
-        log.warning("using untrained (random) heads: output is exact but drafts are rarely accepted")
-        heads = init_heads(loaded.model, base_name=loaded.name)
-        return heads.to(device=loaded.device, dtype=loaded.dtype).eval().requires_grad_(False)
-    path = Path(heads_path) if heads_path else default_heads_path(loaded.name)
+UNTRAINED_HEADS = "untrained"
+UNTRAINED_DEPTH = 4
+
+
+def resolve_heads_path(model_name: str, heads_path: str | None) -> Path:
+    """The heads directory for a model: the given one, else the shipped one; an error names the fix."""
+    path = Path(heads_path) if heads_path else default_heads_path(model_name)
     if path is None:
-        raise FileNotFoundError(f"no heads for --model {loaded.name}: pass --heads DIR (our format or a "
-                                "published Hydra checkpoint), or --heads untrained for random heads")
+        raise FileNotFoundError(f"no heads for --model {model_name}: pass --heads DIR (our format or a "
+                                f"published Hydra checkpoint), or --heads {UNTRAINED_HEADS} for random heads")
     if not path.is_dir():
         raise FileNotFoundError(f"--heads {path}: no such directory; pass a heads directory")
+    return path
+
+
+def available_depth(model_name: str, heads_path: str | None) -> int:
+    """How deep the heads for this model can draft, from their config alone (for checks before loading)."""
+    if heads_path == UNTRAINED_HEADS:
+        return UNTRAINED_DEPTH
+    return heads_depth(resolve_heads_path(model_name, heads_path))
+
+
+def load_model_heads(loaded: LoadedModel, heads_path: str | None) -> HydraHeads:
+    """Heads for `loaded`: the given directory, else the shipped ones, else an error naming the fix."""
+    if heads_path == UNTRAINED_HEADS:
+        log.warning("using untrained (random) heads: output is exact but drafts are rarely accepted")
+        heads = init_heads(loaded.model, num_heads=UNTRAINED_DEPTH, base_name=loaded.name)
+        return heads.to(device=loaded.device, dtype=loaded.dtype).eval().requires_grad_(False)
+    path = resolve_heads_path(loaded.name, heads_path)
     heads = load_heads(path, loaded.model)
     if heads.config.base_model and Path(heads.config.base_model).name != Path(loaded.name).name:
         log.warning("heads %s were trained for %s, not %s; acceptance may be poor", path,

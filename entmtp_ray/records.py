@@ -1,8 +1,40 @@
-"""Output rows: a GenerationResult (or a failure) -> the row fields of DESIGN.md section 5."""
+"""Output rows: a GenerationResult (or a failure) -> the row fields of DESIGN.md section 5,
+and the Arrow schema they are written with (so error rows and good rows share one type)."""
 
 from __future__ import annotations
 
+import pyarrow as pa
+
 from .decoding import GenerationResult
+
+OUTPUT_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("prompt", pa.string()),
+    ("output_text", pa.string()),
+    ("output_token_ids", pa.list_(pa.int64())),
+    ("num_prompt_tokens", pa.int64()),
+    ("num_output_tokens", pa.int64()),
+    ("finish_reason", pa.string()),  # stop | length | context | error
+    ("policy", pa.string()),
+    ("temperature", pa.float64()),
+    ("acceptance", pa.string()),
+    ("model", pa.string()),
+    ("heads", pa.string()),
+    ("bank", pa.string()),
+    ("steps", pa.int64()),
+    ("mean_accepted_length", pa.float64()),
+    ("accepted_per_position", pa.list_(pa.float64())),  # [depth]: fraction of steps accepting depth i+1
+    ("tree_usage", pa.map_(pa.string(), pa.int64())),  # tree name -> steps
+    ("tree_switches", pa.int64()),
+    ("prefill_s", pa.float64()),
+    ("decode_s", pa.float64()),
+    ("total_s", pa.float64()),
+    ("tokens_per_s", pa.float64()),  # output tokens / total_s
+    ("started_at", pa.float64()),  # unix seconds when the row started decoding
+    ("actor_id", pa.string()),
+    ("error", pa.string()),  # null when the row succeeded
+])
+OUTPUT_COLUMNS = tuple(OUTPUT_SCHEMA.names)
 
 
 def _base(context: dict) -> dict:
@@ -15,6 +47,9 @@ def _base(context: dict) -> dict:
         "acceptance": decoding.acceptance,
         "model": context["model"],
         "heads": context["heads"],
+        "bank": context.get("bank"),
+        "started_at": context.get("started_at"),
+        "actor_id": context.get("actor_id"),
     }
 
 
@@ -58,3 +93,12 @@ def error_row(context: dict, error: str) -> dict:
         "tokens_per_s": None,
         "error": error,
     }
+
+
+def output_table(passthrough: pa.Table, rows: list[dict]) -> pa.Table:
+    """Output rows (in OUTPUT_SCHEMA) followed by the input's own columns, row for row."""
+    assert passthrough.num_rows == len(rows)
+    table = pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)
+    for name in passthrough.column_names:
+        table = table.append_column(passthrough.field(name), passthrough.column(name))
+    return table

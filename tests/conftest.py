@@ -30,3 +30,29 @@ def make_tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def tiny_llama() -> LlamaForCausalLM:
     return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """(model_dir, heads_dir): a tiny random Llama saved as a local model directory named
+    `tiny-vicuna` (so it takes the Vicuna chat format) with the embedded model's tokenizer, and
+    4 prefix-mlp heads with their own vocab projections, as the production path has."""
+    from transformers import AutoTokenizer
+
+    from entmtp_ray.heads import init_heads, save_heads
+    from entmtp_ray.loading import resolve_model_path
+
+    root = tmp_path_factory.mktemp("local")
+    model_dir, heads_dir = root / "tiny-vicuna", root / "heads"
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, eos_token_id=2)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct")).save_pretrained(model_dir)
+    heads = init_heads(model, num_heads=4, shared_lm_head=False, seed=1, base_name=str(model_dir))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_heads(heads, heads_dir)
+    return model_dir, heads_dir

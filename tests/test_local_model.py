@@ -5,31 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.engine import Engine
-from entmtp_ray.heads import init_heads, save_heads
-from entmtp_ray.loading import VICUNA_SYSTEM, load_model, resolve_model_path
+from entmtp_ray.loading import VICUNA_SYSTEM, load_model
 
 
 @pytest.fixture(scope="module")
-def local_dirs(tmp_path_factory):
-    """A tiny Llama with the embedded tokenizer, saved as `tiny-vicuna`, and prefix-mlp heads for it."""
-    root = tmp_path_factory.mktemp("local")
-    model_dir, heads_dir = root / "tiny-vicuna", root / "heads"
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, eos_token_id=2)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(model_dir)
-    AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct")).save_pretrained(model_dir)
-    heads = init_heads(model, num_heads=4, shared_lm_head=False, seed=1, base_name=str(model_dir))
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    save_heads(heads, heads_dir)
-    return model_dir, heads_dir
+def local_dirs(tiny_model_dirs):
+    return tiny_model_dirs
 
 
 def test_vicuna_named_directory_uses_vicuna_template(local_dirs):

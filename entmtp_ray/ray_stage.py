@@ -1,0 +1,167 @@
+"""The Ray Data pipeline: prompt table -> actor pool (one Engine per actor) -> Parquet.
+
+The only module that imports ray. Nothing algorithmic: the actor wraps engine.Engine.
+Exactly-once rests on Ray Data's defaults (restarted actors, retried tasks, no dropped blocks);
+resume is an anti-join of the prompt ids against the ids already written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import ray
+from ray.data import ActorPoolStrategy, DataContext, SaveMode
+
+from .config import DecodingConfig, JobConfig, ModelConfig
+from .records import output_table
+from .tasks import INTERNAL_COLUMNS
+
+log = logging.getLogger(__name__)
+
+# Fault injection for the exactly-once tests: the actor that meets this row id exits abruptly,
+# once (the marker file records that it happened).
+FAULT_ROW_ENV = "ENTMTP_FAULT_EXIT_ON_ROW"
+FAULT_MARKER_ENV = "ENTMTP_FAULT_MARKER"
+
+
+class GenerateActor:
+    """Callable class for map_batches: loads model, heads and policy once, then decodes row by row."""
+
+    def __init__(self, model_cfg: dict, decoding: dict, threads: int):
+        import torch
+
+        from .engine import Engine
+
+        torch.set_num_threads(max(1, threads))
+        self.engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding))
+        self.engine.actor_id = ray.get_runtime_context().get_actor_id()
+        self.engine.warm_up()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = []
+        for row in batch.select(["id", "prompt", "_messages", "_input_error"]).to_pylist():
+            _maybe_fault(row["id"])
+            if row["_input_error"]:
+                rows.append(self.engine.error_row(row["id"], row["prompt"], row["_input_error"]))
+                continue
+            messages = json.loads(row["_messages"]) if row["_messages"] else None
+            rows.append(self.engine.run(row["id"], row["prompt"], messages))
+        passthrough = batch.drop_columns([c for c in INTERNAL_COLUMNS if c in batch.column_names])
+        return output_table(passthrough, rows)
+
+
+def _maybe_fault(row_id: str) -> None:
+    target, marker = os.environ.get(FAULT_ROW_ENV), os.environ.get(FAULT_MARKER_ENV)
+    if target and marker and row_id == target and not os.path.exists(marker):
+        Path(marker).write_text(str(os.getpid()))
+        os._exit(1)
+
+
+def finished_ids(output: str) -> set[str]:
+    """Ids already written under `output` (readable Parquet files only)."""
+    path = Path(output)
+    if not path.is_dir():
+        return set()
+    done: set[str] = set()
+    for file in sorted(path.glob("*.parquet")):
+        try:
+            done.update(pads.dataset(file, format="parquet").to_table(columns=["id"]).column("id").to_pylist())
+        except (pa.ArrowInvalid, OSError) as exc:
+            aside = path / ".unreadable"
+            aside.mkdir(exist_ok=True)
+            file.rename(aside / file.name)
+            log.warning("moved unreadable %s aside to %s (%s); its rows will be regenerated", file, aside, exc)
+    return done
+
+
+def init_ray(job: JobConfig) -> None:
+    if ray.is_initialized():
+        return
+    if job.address:
+        ray.init(address=job.address, log_to_driver=True)
+        return
+    # Ray Data's own read/split/write tasks need CPUs beside the actors; on a 2-core machine the
+    # checkpointing and scheduling deadlocked without headroom (DESIGN.md section 4).
+    actors_cpus = job.max_actors * job.cpus_per_actor
+    ray.init(num_cpus=max(8, int(actors_cpus) + 4), include_dashboard=False)
+
+
+def run_pipeline(table: pa.Table, job: JobConfig, model_cfg: ModelConfig, decoding: DecodingConfig) -> dict:
+    """Generate for every row of `table` not yet in job.output; returns the run summary."""
+    start = time.time()
+    total_rows = table.num_rows
+    if job.resume:
+        done = finished_ids(job.output)
+        if done:
+            keep = pa.array([i not in done for i in table.column("id").to_pylist()])
+            table = table.filter(keep)
+            log.warning("resume: %d of %d rows already in %s; %d to go", total_rows - table.num_rows,
+                        total_rows, job.output, table.num_rows)
+    if table.num_rows:
+        init_ray(job)
+        ctx = DataContext.get_current()
+        ctx.max_errored_blocks = 0  # never drop a failed block silently
+        blocks = min(table.num_rows, job.max_blocks)
+        ds = ray.data.from_arrow(table).repartition(blocks)
+        ds = ds.map_batches(
+            GenerateActor,
+            fn_constructor_kwargs={"model_cfg": model_cfg.model_dump(), "decoding": decoding.model_dump(),
+                                   "threads": max(1, int(job.cpus_per_actor))},
+            batch_size=1,
+            batch_format="pyarrow",
+            compute=ActorPoolStrategy(min_size=job.min_actors, max_size=job.max_actors),
+            num_cpus=job.cpus_per_actor,
+            num_gpus=job.gpus_per_actor,
+        )
+        ds.write_parquet(job.output, mode=SaveMode.APPEND)  # file names carry a per-write uuid
+    return summarize(job.output, time.time() - start, total_rows)
+
+
+def summarize(output: str, wall_s: float, input_rows: int) -> dict:
+    """The run's JSON summary, computed from everything written under `output`."""
+    columns = ["id", "num_output_tokens", "steps", "error", "started_at", "total_s"]
+    path = Path(output)
+    files = sorted(path.glob("*.parquet")) if path.is_dir() else []
+    table = pads.dataset(files, format="parquet").to_table(columns=columns) if files else pa.table(
+        {c: pa.array([], pa.float64()) for c in columns})
+    rows = table.to_pylist()
+    ok = [r for r in rows if r["error"] is None]
+    tokens = sum(r["num_output_tokens"] or 0 for r in ok)
+    steps = sum(r["steps"] or 0 for r in ok)
+    first_token_rows = len(ok)  # each row's first token comes from its prefill, not a step
+    span = (max(r["started_at"] + r["total_s"] for r in ok) - min(r["started_at"] for r in ok)) if ok else 0.0
+    ids = [r["id"] for r in rows]
+    return {
+        "rows": len(rows),
+        "input_rows": input_rows,
+        "duplicates": len(ids) - len(set(ids)),
+        "errors": len(rows) - len(ok),
+        "output_tokens": tokens,
+        "aggregate_tokens_per_s": tokens / span if span > 0 else 0.0,
+        "mean_accepted_length": (tokens - first_token_rows) / steps if steps else None,
+        "decode_span_s": span,
+        "wall_s": wall_s,
+        "output": str(path.resolve()),
+    }
+
+
+def check_output(output: str, resume: bool) -> None:
+    """Fail before any work if the output cannot be written, or would mix two runs."""
+    path = Path(output)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{uuid.uuid4().hex}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--output {output}: not writable ({exc}); pass a directory you can write to") from exc
+    if not resume and any(path.glob("*.parquet")):
+        raise ValueError(f"--output {output} already holds Parquet files; pass --resume to complete that run, "
+                         "or choose an empty --output")

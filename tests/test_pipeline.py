@@ -1,0 +1,177 @@
+"""jobs/generate.py on real local Ray: Parquet out, input columns kept, bad rows as data,
+exactly-once under actor death and node loss, resume without regeneration, config errors up front.
+
+The model is a tiny random Llama directory (tests/conftest.py) so that Ray, not decoding,
+dominates the time; test_job_submit.py runs the embedded model through `ray job submit`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pytest
+
+from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
+from entmtp_ray.records import OUTPUT_COLUMNS
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = [sys.executable, str(ROOT / "jobs" / "generate.py")]
+
+
+def write_prompts(path: Path, n: int, bad: bool = False) -> Path:
+    rows = [{"uid": f"q{i}", "text": f"Write item number {i} of a list.", "label": i} for i in range(n)]
+    if bad:
+        rows += [{"uid": "empty", "text": "", "label": -1}, {"uid": "number", "text": 7, "label": -2},
+                 {"uid": "long", "text": "many words " * 800, "label": -3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def job_args(dirs, dataset, output, *extra):
+    model_dir, heads_dir = dirs
+    return [*JOB, "--dataset", str(dataset), "--prompt-column", "text", "--id-column", "uid",
+            "--model", str(model_dir), "--heads", str(heads_dir), "--max-new-tokens", "12",
+            "--output", str(output), *extra]
+
+
+def run_job(args, env=None, timeout=300):
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return proc
+
+
+def read_output(output) -> list[dict]:
+    return pads.dataset(str(output), format="parquet").to_table().to_pylist()
+
+
+def test_job_writes_every_row_once_with_stats_and_input_columns(tiny_model_dirs, tmp_path):
+    data = write_prompts(tmp_path / "prompts.jsonl", 6, bad=True)
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "hydra", "--max-actors", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = read_output(tmp_path / "out")
+    by_id = {r["id"]: r for r in rows}
+    assert len(rows) == 9 and len(by_id) == 9
+    assert summary["rows"] == 9 and summary["errors"] == 3 and summary["duplicates"] == 0
+    assert summary["output_tokens"] == sum(r["num_output_tokens"] for r in rows)
+    assert set(OUTPUT_COLUMNS) <= set(rows[0]) and {"label"} <= set(rows[0])
+    for i in range(6):
+        row = by_id[f"q{i}"]
+        assert row["error"] is None and row["label"] == i and row["prompt"] == f"Write item number {i} of a list."
+        assert row["num_output_tokens"] == len(row["output_token_ids"]) > 0
+        assert row["policy"] == "hydra" and dict(row["tree_usage"]) == {"hydra": row["steps"]}
+        assert len(row["accepted_per_position"]) == 4 and row["tokens_per_s"] > 0 and row["actor_id"]
+    assert "empty prompt" in by_id["empty"]["error"]
+    assert "must be a string" in by_id["number"]["error"] and by_id["number"]["label"] == -2
+    assert "--max-input-tokens" in by_id["long"]["error"]
+
+
+def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
+    data = write_prompts(tmp_path / "prompts.jsonl", 8)
+    marker = tmp_path / "crashed"
+    env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q3", "ENTMTP_FAULT_MARKER": str(marker)}
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "ar"), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists(), "the fault was not injected"
+    ids = [r["id"] for r in read_output(tmp_path / "out")]
+    assert sorted(ids) == sorted(f"q{i}" for i in range(8))
+    assert all(r["error"] is None for r in read_output(tmp_path / "out"))
+
+
+def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path):
+    data = write_prompts(tmp_path / "prompts.jsonl", 16)
+    out = tmp_path / "out"
+    args = job_args(tiny_model_dirs, data, out, "--policy", "ar", "--max-new-tokens", "40")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(out.glob("*.parquet"))) < 3:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(["pkill", "-9", "-f", "ray::"], check=False)
+    first = {r["id"]: r["started_at"] for r in read_output(out)}
+    assert 3 <= len(first) < 16, f"the job should have been stopped part-way, wrote {len(first)} rows"
+
+    proc = run_job(args + ["--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_output(out)
+    assert sorted(r["id"] for r in rows) == sorted(f"q{i}" for i in range(16))
+    assert all(r["started_at"] == first[r["id"]] for r in rows if r["id"] in first), "finished rows were redone"
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["rows"] == 16 and summary["duplicates"] == 0
+
+
+def test_node_removed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from entmtp_ray.ray_stage import run_pipeline
+    from entmtp_ray.tasks import load_prompts
+
+    model_dir, heads_dir = tiny_model_dirs
+    data = write_prompts(tmp_path / "prompts.jsonl", 12)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    worker = cluster.add_node(num_cpus=4)  # the only node an actor (3 CPUs) fits on
+    ray.init(address=cluster.address)
+    try:
+        job = JobConfig(dataset=str(data), prompt_column="text", id_column="uid", output=str(tmp_path / "out"),
+                        cpus_per_actor=3, address=cluster.address)
+        table = load_prompts(None, job.dataset, prompt_column="text", id_column="uid")
+        model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir))
+        decoding = DecodingConfig(policy="ar", max_new_tokens=40)
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(run_pipeline(table, job, model_cfg, decoding)))
+        thread.start()
+        deadline = time.time() + 240
+        while time.time() < deadline and len(list((tmp_path / "out").glob("*.parquet"))) < 2:
+            time.sleep(0.2)
+        written_before = len(read_output(tmp_path / "out"))
+        removed_at = time.time()
+        cluster.remove_node(worker)
+        cluster.add_node(num_cpus=4)
+        thread.join(timeout=300)
+        assert not thread.is_alive()
+        assert 2 <= written_before < 12, f"the node should go mid-job; {written_before} rows were already written"
+        rows = read_output(tmp_path / "out")
+        assert sorted(r["id"] for r in rows) == sorted(f"q{i}" for i in range(12))
+        assert any(r["started_at"] > removed_at for r in rows), "no row ran after the node was lost"
+        assert result["duplicates"] == 0 and result["errors"] == 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--task", "nope"], "unknown task 'nope'"),
+    (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--heads", "/nonexistent/heads"], "--heads /nonexistent/heads: no such directory"),
+    (["--policy", "fixed", "--tree", "chain5"], "depth 5 but the heads draft at most 4"),
+    (["--min-actors", "3", "--max-actors", "2"], "--min-actors 3 > --max-actors 2"),
+])
+def test_broken_config_fails_before_any_actor(tiny_model_dirs, tmp_path, extra, message):
+    data = write_prompts(tmp_path / "prompts.jsonl", 2)
+    start = time.time()
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Started a local Ray instance" not in proc.stderr
+    assert time.time() - start < 60
+
+
+def test_unwritable_or_used_output_fails_before_any_actor(tiny_model_dirs, tmp_path):
+    data = write_prompts(tmp_path / "prompts.jsonl", 2)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = run_job(job_args(tiny_model_dirs, data, blocker / "out"))
+    assert proc.returncode == 2 and "not writable" in proc.stderr
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "part-x.parquet").write_text("")
+    proc = run_job(job_args(tiny_model_dirs, data, used))
+    assert proc.returncode == 2 and "--resume" in proc.stderr
