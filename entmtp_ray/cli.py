@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 import torch
 from pydantic import ValidationError
@@ -16,6 +17,7 @@ from .config import DecodingConfig, JobConfig, ModelConfig
 from .engine import Engine
 from .loading import EMBEDDED_MODEL
 from .policy import POLICIES
+from .tasks import LINE_ERROR, read_jsonl
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -82,21 +84,9 @@ def read_prompts(args) -> list[tuple[str, object, str | None]]:
     """(id, prompt, error) triples; a malformed line is kept, with its error, so it gets an output row."""
     if args.prompt is not None:
         return [("prompt-0", args.prompt, None)]
-    rows = []
-    with open(args.prompts_file) as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                rows.append((f"line-{n}", None, f"line {n} of {args.prompts_file} is not valid JSON ({exc})"))
-                continue
-            if not isinstance(obj, dict):
-                rows.append((f"line-{n}", None, f'line {n}: expected an object {{"id", "prompt"}}'))
-                continue
-            rows.append((str(obj.get("id", f"line-{n}")), obj.get("prompt"), None))
-    return rows
+    rows = read_jsonl(Path(args.prompts_file))
+    return [(str(row.get("id", f"line-{n}")), row.get("prompt"), row.get(LINE_ERROR))
+            for n, row in enumerate(rows, start=1)]
 
 
 def cmd_generate(args) -> int:

@@ -93,9 +93,13 @@ def init_ray(job: JobConfig) -> None:
     ray.init(num_cpus=max(8, int(actors_cpus) + 4), include_dashboard=False)
 
 
-def run_pipeline(table: pa.Table, job: JobConfig, model_cfg: ModelConfig, decoding: DecodingConfig) -> dict:
-    """Generate for every row of `table` not yet in job.output; returns the run summary."""
-    start = time.time()
+def run_pipeline(table: pa.Table, job: JobConfig, model_cfg: ModelConfig, decoding: DecodingConfig,
+                 started: float | None = None) -> dict:
+    """Generate for every row of `table` not yet in job.output; returns the run summary.
+
+    `started` (unix seconds) is when the job began, for the wall time and time to first row.
+    """
+    start = started or time.time()
     total_rows = table.num_rows
     if job.resume:
         done = finished_ids(job.output)
@@ -121,11 +125,12 @@ def run_pipeline(table: pa.Table, job: JobConfig, model_cfg: ModelConfig, decodi
             num_gpus=job.gpus_per_actor,
         )
         ds.write_parquet(job.output, mode=SaveMode.APPEND)  # file names carry a per-write uuid
-    return summarize(job.output, time.time() - start, total_rows)
+    return summarize(job.output, start, total_rows)
 
 
-def summarize(output: str, wall_s: float, input_rows: int) -> dict:
+def summarize(output: str, started: float, input_rows: int) -> dict:
     """The run's JSON summary, computed from everything written under `output`."""
+    wall_s = time.time() - started
     columns = ["id", "num_output_tokens", "steps", "error", "started_at", "total_s"]
     path = Path(output)
     files = sorted(path.glob("*.parquet")) if path.is_dir() else []
@@ -136,7 +141,9 @@ def summarize(output: str, wall_s: float, input_rows: int) -> dict:
     tokens = sum(r["num_output_tokens"] or 0 for r in ok)
     steps = sum(r["steps"] or 0 for r in ok)
     first_token_rows = len(ok)  # each row's first token comes from its prefill, not a step
-    span = (max(r["started_at"] + r["total_s"] for r in ok) - min(r["started_at"] for r in ok)) if ok else 0.0
+    ends = [r["started_at"] + r["total_s"] for r in ok]
+    span = (max(ends) - min(r["started_at"] for r in ok)) if ok else 0.0
+    this_run = [end for r, end in zip(ok, ends) if r["started_at"] >= started]
     ids = [r["id"] for r in rows]
     return {
         "rows": len(rows),
@@ -148,6 +155,7 @@ def summarize(output: str, wall_s: float, input_rows: int) -> dict:
         "mean_accepted_length": (tokens - first_token_rows) / steps if steps else None,
         "decode_span_s": span,
         "wall_s": wall_s,
+        "first_row_s": (min(this_run) - started) if this_run else None,  # job start -> first row decoded
         "output": str(path.resolve()),
     }
 

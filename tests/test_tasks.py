@@ -1,0 +1,127 @@
+"""Prompt sources: named tasks, user datasets in every format, ids, chat rows and sampling."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.csv
+import pyarrow.parquet as pq
+import pytest
+
+from entmtp_ray.tasks import iter_sharegpt, load_prompts
+
+GSM8K = "../shared/data/gsm8k/train.jsonl"
+
+
+@pytest.fixture
+def gsm8k_path(request):
+    from pathlib import Path
+
+    path = Path(request.config.rootpath) / GSM8K
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: the shared data directory must sit beside the checkout")
+    return str(path)
+
+
+def test_gsm8k_from_local_copy(gsm8k_path):
+    table = load_prompts("gsm8k", gsm8k_path)
+    assert table.num_rows == 7473
+    first = table.slice(0, 1).to_pylist()[0]
+    assert first["id"] == "row-0000000" and first["prompt"].startswith("Natalia sold clips")
+    assert first["answer"].endswith("#### 72") and "question" not in table.column_names
+
+
+def test_limit_sample_is_deterministic_and_seeded(gsm8k_path):
+    a = load_prompts("gsm8k", gsm8k_path, limit=20, seed=123).column("id").to_pylist()
+    b = load_prompts("gsm8k", gsm8k_path, limit=20, seed=123).column("id").to_pylist()
+    c = load_prompts("gsm8k", gsm8k_path, limit=20, seed=7).column("id").to_pylist()
+    assert a == b and a != c and len(set(a)) == 20 and a == sorted(a)
+
+
+def test_humaneval_problems():
+    table = load_prompts("humaneval", None)
+    rows = table.to_pylist()
+    assert len(rows) == 164 and rows[0]["id"] == "HumanEval/0"
+    assert rows[0]["input_prompt"] in rows[0]["prompt"] and "```python" in rows[0]["prompt"]
+    assert {"canonical_solution", "test", "entry_point"} <= set(table.column_names)
+
+
+def test_sharegpt_recovers_complete_conversations_before_the_cut():
+    assert sum(1 for _ in iter_sharegpt()) == 17671
+    table = load_prompts("sharegpt", None)
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) > 17000
+    assert all(p.strip() for p in table.column("prompt").to_pylist())
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv"])
+def test_user_dataset_formats_keep_columns(tmp_path, fmt):
+    rows = [{"key": f"k{i}", "question": f"What is {i}+{i}?", "meta": i} for i in range(5)]
+    path = tmp_path / f"data.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        pyarrow.csv.write_csv(pa.Table.from_pylist(rows), path)
+    table = load_prompts(None, str(path), prompt_column="question", id_column="key")
+    out = table.to_pylist()
+    assert [r["id"] for r in out] == [f"k{i}" for i in range(5)]
+    assert out[3]["prompt"] == "What is 3+3?" and out[3]["meta"] == 3
+    assert "question" not in table.column_names and "key" not in table.column_names
+
+
+def test_generated_ids_and_bad_prompts_become_input_errors(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"prompt": "ok"}, {"prompt": 5}, {"prompt": None}, {}]) + "\n")
+    rows = load_prompts(None, str(path)).to_pylist()
+    assert [r["id"] for r in rows] == ["row-0000000", "row-0000001", "row-0000002", "row-0000003"]
+    assert rows[0]["_input_error"] is None
+    assert "must be a string, got int" in rows[1]["_input_error"]
+    assert "missing" in rows[2]["_input_error"] and "missing" in rows[3]["_input_error"]
+
+
+def test_messages_column(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    chats = [
+        {"conv": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+                  {"from": "human", "value": "Tell me a joke."}, {"from": "gpt", "value": "..."}]},
+        {"conv": [{"role": "user", "content": "Only turn"}]},
+        {"conv": []},
+    ]
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    rows = load_prompts(None, str(path), messages_column="conv").to_pylist()
+    assert rows[0]["prompt"] == "Tell me a joke." and len(json.loads(rows[0]["_messages"])) == 3
+    assert json.loads(rows[1]["_messages"]) == [{"role": "user", "content": "Only turn"}]
+    assert "non-empty list" in rows[2]["_input_error"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"task": "nope", "dataset": None}, "unknown task 'nope'"),
+    ({"task": None, "dataset": None}, "pass --task NAME or --dataset"),
+    ({"task": None, "dataset": "/no/such/file.jsonl"}, "no such file"),
+    ({"task": None, "dataset": "no-such-org/no-such-dataset"}, "pass a local Parquet/JSONL/CSV path"),
+])
+def test_bad_sources_name_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        load_prompts(**kwargs)
+
+
+def test_missing_prompt_column_and_duplicate_ids(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"q": "a", "k": 1}\n{"q": "b", "k": 1}\n')
+    with pytest.raises(ValueError, match="no column 'prompt'.*--prompt-column"):
+        load_prompts(None, str(path))
+    with pytest.raises(ValueError, match="ids are not unique"):
+        load_prompts(None, str(path), prompt_column="q", id_column="k")
+
+
+def test_malformed_jsonl_lines_become_error_rows(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "fine"}\n{broken\n[1, 2]\n{"prompt": "also fine"}\n')
+    rows = load_prompts(None, str(path)).to_pylist()
+    assert [r["prompt"] for r in rows] == ["fine", None, None, "also fine"]
+    assert "line 2" in rows[1]["_input_error"] and "not valid JSON" in rows[1]["_input_error"]
+    assert "not a JSON object" in rows[2]["_input_error"]
+    assert rows[0]["_input_error"] is None and "_line_error" not in rows[0]
