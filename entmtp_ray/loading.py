@@ -47,18 +47,24 @@ class LoadedModel:
     def encode_prompt(self, prompt: str | list[dict]) -> list[int]:
         """Token ids of one user message, or of chat turns [{role, content}] ending in a user turn,
         wrapped in the model's chat format and ready for generation."""
-        tok = self.tokenizer
         turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return self.encode_chat(turns, add_generation_prompt=True)
+
+    def encode_chat(self, turns: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of chat turns in the model's chat format; with `add_generation_prompt` they end
+        with the assistant's header, ready for the reply."""
+        tok = self.tokenizer
         if self.chat_format == "template":
-            text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
             return tok(text, add_special_tokens=False).input_ids
         if self.chat_format == "vicuna_v1.1":
             system = next((t["content"] for t in turns if t["role"] == "system"), VICUNA_SYSTEM)
             eos = tok.eos_token or ""
             text = system + "".join(f" USER: {t['content']}" if t["role"] == "user" else f" ASSISTANT: {t['content']}{eos}"
                                     for t in turns if t["role"] != "system")
-            return tok(text + " ASSISTANT:", add_special_tokens=True).input_ids
-        return tok("\n".join(t["content"] for t in turns), add_special_tokens=True).input_ids
+            return tok(text + (" ASSISTANT:" if add_generation_prompt else ""), add_special_tokens=True).input_ids
+        text = "\n".join(t["content"] for t in turns)
+        return tok(text, add_special_tokens=True).input_ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

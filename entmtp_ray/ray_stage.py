@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import ray
 from ray.data import ActorPoolStrategy, DataContext, SaveMode
@@ -129,33 +130,35 @@ def run_pipeline(table: pa.Table, job: JobConfig, model_cfg: ModelConfig, decodi
 
 
 def summarize(output: str, started: float, input_rows: int) -> dict:
-    """The run's JSON summary, computed from everything written under `output`."""
+    """The run's JSON summary, computed (vectorised) from everything written under `output`."""
     wall_s = time.time() - started
-    columns = ["id", "num_output_tokens", "steps", "error", "started_at", "total_s"]
     path = Path(output)
     files = sorted(path.glob("*.parquet")) if path.is_dir() else []
-    table = pads.dataset(files, format="parquet").to_table(columns=columns) if files else pa.table(
-        {c: pa.array([], pa.float64()) for c in columns})
-    rows = table.to_pylist()
-    ok = [r for r in rows if r["error"] is None]
-    tokens = sum(r["num_output_tokens"] or 0 for r in ok)
-    steps = sum(r["steps"] or 0 for r in ok)
-    first_token_rows = len(ok)  # each row's first token comes from its prefill, not a step
-    ends = [r["started_at"] + r["total_s"] for r in ok]
-    span = (max(ends) - min(r["started_at"] for r in ok)) if ok else 0.0
-    this_run = [end for r, end in zip(ok, ends) if r["started_at"] >= started]
-    ids = [r["id"] for r in rows]
+    columns = ["id", "num_output_tokens", "steps", "error", "started_at", "total_s"]
+    table = pads.dataset(files, format="parquet").to_table(columns=columns) if files else None
+    rows = table.num_rows if table is not None else 0
+    ok = table.filter(pc.is_null(table["error"])) if rows else None
+    done = ok.num_rows if ok is not None else 0
+    tokens = pc.sum(ok["num_output_tokens"]).as_py() if done else 0
+    steps = pc.sum(ok["steps"]).as_py() if done else 0
+    span, first_row_s = 0.0, None
+    if done:
+        ends = pc.add(ok["started_at"], ok["total_s"])
+        span = pc.max(ends).as_py() - pc.min(ok["started_at"]).as_py()
+        this_run = pc.filter(ends, pc.greater_equal(ok["started_at"], started))
+        first_row_s = pc.min(this_run).as_py() - started if len(this_run) else None
     return {
-        "rows": len(rows),
+        "rows": rows,
         "input_rows": input_rows,
-        "duplicates": len(ids) - len(set(ids)),
-        "errors": len(rows) - len(ok),
+        "duplicates": rows - (pc.count_distinct(table["id"]).as_py() if rows else 0),
+        "errors": rows - done,
         "output_tokens": tokens,
         "aggregate_tokens_per_s": tokens / span if span > 0 else 0.0,
-        "mean_accepted_length": (tokens - first_token_rows) / steps if steps else None,
+        # each row's first token comes from its prefill, not from a step
+        "mean_accepted_length": (tokens - done) / steps if steps else None,
         "decode_span_s": span,
         "wall_s": wall_s,
-        "first_row_s": (min(this_run) - started) if this_run else None,  # job start -> first row decoded
+        "first_row_s": first_row_s,  # job start -> first row of this run decoded
         "output": str(path.resolve()),
     }
 

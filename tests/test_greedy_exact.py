@@ -4,13 +4,14 @@ The real embedded model, 10 prompts x 128 new tokens. Trees: Hydra's default and
 nodes), the one-node tree (AR) and a random small tree. Drafts come from real (untrained)
 Hydra++ heads, and from an oracle drafter that hides the true next token at a random rank, so
 long accepted paths are committed too. A mismatch fails unless the reference's top-2 logits
-at the first differing position are within float noise (a tie; none has been seen).
+at the first differing position are within float noise (a tie, reported as a warning).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,7 @@ def assert_same_or_tie(got: list[int], want: list[int], logits: list[torch.Tenso
     assert gap < TIE_TOLERANCE, (
         f"{label}: token {first} is {got[first]} but greedy gives {want[first]} (top-2 logit gap {gap:.2e}, "
         "not a floating-point tie)")
+    warnings.warn(f"{label}: floating-point tie at token {first} (top-2 logit gap {gap:.2e})")
 
 
 def run_tree(loaded, references, tree_spec, drafter_for, limit=None):

@@ -1,0 +1,276 @@
+"""Hydra++ head training: chat sequences -> frozen base hidden states -> per-head soft cross-entropy.
+
+The recipe of DESIGN.md section 3: the base model is frozen; head i at position t reads the
+prefix layer's context h_t and the embeddings of tokens t+1..t+1+i and is trained towards the
+base model's own next-token distribution for token t+i+2 (teacher weight 1, ground truth 0),
+on target (assistant) tokens only. No Ray, no decoding here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, Field
+
+from .heads import HydraHeads, save_heads
+from .llama import rotary
+from .loading import LoadedModel
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+class TrainConfig(BaseModel):
+    lr: float = Field(5e-4, gt=0, description="AdamW peak learning rate (Hydra++ recipe)")
+    warmup_steps: int = Field(50, ge=0, description="linear warm-up before the cosine decay")
+    steps: int = Field(1000, ge=1, description="optimizer steps in the schedule")
+    batch_tokens: int = Field(1024, ge=16, description="tokens per step (sequences padded into a batch)")
+    max_len: int = Field(512, ge=8, description="sequences are cut to this many tokens")
+    dropout: float = Field(0.2, ge=0, lt=1, description="dropout inside the heads while training")
+    seed: int = Field(0, description="data order and initialisation seed")
+    bf16: bool = Field(True, description="bf16 autocast for the head and vocab matmuls (CPU and GPU)")
+    checkpoint_every: int = Field(100, ge=1, description="steps between resumable checkpoints")
+    max_minutes: float | None = Field(None, gt=0, description="stop (and save) after this much wall time")
+
+
+@dataclass(frozen=True)
+class Sequence:
+    token_ids: list[int]
+    target_mask: list[bool]  # True where the token is a training target (assistant text)
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+def chat_sequence(loaded: LoadedModel, turns: list[dict], max_len: int) -> Sequence | None:
+    """Token ids of a conversation with its assistant tokens marked; None if nothing to learn."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    for k, turn in enumerate(turns):
+        if turn["role"] == "assistant":
+            header = loaded.encode_chat(turns[:k], add_generation_prompt=True)
+            full = loaded.encode_chat(turns[: k + 1], add_generation_prompt=False)
+            if full[: len(ids)] != ids or full[: len(header)] != header:
+                return None  # tokenisation is not prefix-stable here; skip the conversation
+            mask += [False] * (len(header) - len(ids)) + [True] * (len(full) - len(header))
+            ids = full
+        else:
+            full = loaded.encode_chat(turns[: k + 1], add_generation_prompt=False)
+            if full[: len(ids)] != ids:
+                return None
+            mask += [False] * (len(full) - len(ids))
+            ids = full
+        if len(ids) >= max_len:
+            break
+    ids, mask = ids[:max_len], mask[:max_len]
+    return Sequence(ids, mask) if any(mask[1:]) else None
+
+
+def sharegpt_conversations(limit: int, skip: int = 0) -> Iterator[list[dict]]:
+    """ShareGPT conversations as [{role, content}] turns, starting with a user turn."""
+    from .tasks import iter_sharegpt
+
+    roles = {"human": "user", "gpt": "assistant"}
+    seen = 0
+    for record in iter_sharegpt():
+        turns = [{"role": roles[t["from"]], "content": t["value"]} for t in record.get("conversations", [])
+                 if t.get("from") in roles and isinstance(t.get("value"), str) and t["value"].strip()]
+        while turns and turns[0]["role"] != "user":
+            turns.pop(0)
+        if len(turns) < 2:
+            continue
+        seen += 1
+        if seen <= skip:
+            continue
+        if seen > skip + limit:
+            return
+        yield turns
+
+
+def generated_conversations(directories: Iterable[str]) -> Iterator[list[dict]]:
+    """Self-distillation pairs from jobs/generate.py outputs: the prompt and the model's own reply."""
+    import pyarrow.dataset as pads
+
+    for directory in directories:
+        table = pads.dataset(directory, format="parquet").to_table(columns=["prompt", "output_text", "error"])
+        for row in table.to_pylist():
+            if row["error"] is None and row["output_text"]:
+                yield [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["output_text"]}]
+
+
+def batches(sequences: list[Sequence], batch_tokens: int, seed: int, epoch: int) -> list[list[Sequence]]:
+    """Length-bucketed batches of about `batch_tokens` padded tokens, in a seeded order per epoch."""
+    rng = random.Random(seed * 100_003 + epoch)
+    order = sorted(sequences, key=lambda s: (len(s.token_ids), rng.random()))
+    out, current = [], []
+    for seq in order:
+        if current and (len(current) + 1) * len(seq.token_ids) > batch_tokens:
+            out.append(current)
+            current = []
+        current.append(seq)
+    if current:
+        out.append(current)
+    rng.shuffle(out)
+    return out
+
+
+def pad(batch: list[Sequence], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, T] right-padded (causal attention makes right padding harmless), mask [B, T]."""
+    width = max(len(s.token_ids) for s in batch)
+    tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.bool)
+    for row, seq in enumerate(batch):
+        tokens[row, : len(seq.token_ids)] = torch.tensor(seq.token_ids)
+        mask[row, : len(seq.target_mask)] = torch.tensor(seq.target_mask)
+    return tokens.to(device), mask.to(device)
+
+
+# ---- loss ------------------------------------------------------------------------------------
+
+def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tensor, dropout: float = 0.0,
+                bf16: bool = False) -> tuple[torch.Tensor, list[float], list[int]]:
+    """Mean soft cross-entropy per head ([num_heads]), top-1 agreement with the teacher per head,
+    and the number of target positions per head.
+
+    tokens, mask: [B, T]. Head i at position t targets token t+i+2, valid where mask[:, t+i+2].
+    """
+    base = model.model
+    with torch.no_grad():
+        hidden = base(input_ids=tokens).last_hidden_state  # [B, T, H] post-norm
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    context = hidden
+    if heads.prefix_layer is not None:
+        cos_sin = rotary(base.rotary_emb, hidden, positions)
+        context = heads.prefix_norm(heads.prefix_layer(hidden, position_embeddings=cos_sin))  # [B, T, H]
+    embeds = base.embed_tokens(tokens).detach()  # [B, T, H]
+    losses, accuracy, counts = [], [], []
+    autocast = torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=bf16)
+    for i in range(heads.config.num_heads):
+        span = tokens.shape[1] - i - 2  # positions t with a target t+i+2 inside the sequence
+        if span <= 0:
+            break
+        valid = mask[:, i + 2:]  # [B, span]
+        parts = [context[:, :span]] + [embeds[:, 1 + j: 1 + j + span] for j in range(i + 1)]
+        rows = torch.cat(parts, dim=-1)[valid]  # [N, (i+2)H]
+        teacher_hidden = hidden[:, i + 1: i + 1 + span][valid]  # [N, H]: predicts token t+i+2
+        with torch.no_grad(), autocast:
+            teacher = F.log_softmax(model.lm_head(teacher_hidden).float(), dim=-1)  # [N, V]
+        with autocast:
+            student = heads.project(i, heads.head_hidden(i, rows, dropout), model.lm_head)  # [N, V]
+        student = F.log_softmax(student.float(), dim=-1)
+        losses.append(-(teacher.exp() * student).sum(-1).mean())
+        accuracy.append((student.argmax(-1) == teacher.argmax(-1)).float().mean().item())
+        counts.append(int(valid.sum()))
+    return torch.stack(losses), accuracy, counts
+
+
+@torch.no_grad()
+def evaluate(heads: HydraHeads, model, sequences: list[Sequence], batch_tokens: int, pad_id: int) -> dict:
+    """Per-head top-1 agreement with the base model's argmax on held-out target tokens."""
+    heads.eval()
+    hits = [0.0] * heads.config.num_heads
+    totals = [0] * heads.config.num_heads
+    loss_sum = [0.0] * heads.config.num_heads
+    for batch in batches(sequences, batch_tokens, seed=0, epoch=0):
+        tokens, mask = pad(batch, pad_id, next(model.parameters()).device)
+        losses, accuracy, counts = head_losses(heads, model, tokens, mask)
+        for i, (loss, acc, n) in enumerate(zip(losses.tolist(), accuracy, counts)):
+            hits[i] += acc * n
+            loss_sum[i] += loss * n
+            totals[i] += n
+    return {"top1": [h / t if t else None for h, t in zip(hits, totals)],
+            "loss": [s / t if t else None for s, t in zip(loss_sum, totals)], "positions": totals}
+
+
+# ---- loop ------------------------------------------------------------------------------------
+
+def _schedule(cfg: TrainConfig):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def train(heads: HydraHeads, model, sequences: list[Sequence], cfg: TrainConfig, out_dir: str | Path,
+          pad_id: int, resume: bool = False, progress: bool = True) -> dict:
+    """Train `heads` in place; checkpoints to out_dir/checkpoint.pt, final heads saved in out_dir.
+
+    Returns {"steps", "tokens", "seconds", "history"}. Resuming continues the same data order.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
+    state = {"step": 0, "tokens": 0, "seconds": 0.0, "history": []}
+    torch.manual_seed(cfg.seed)
+    checkpoint = out / CHECKPOINT_FILE
+    if resume and checkpoint.is_file():
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        heads.load_state_dict(saved["heads"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        state = saved["state"]
+        torch.set_rng_state(saved["rng"])  # dropout continues as if never stopped
+        log.warning("resumed from %s at step %d", checkpoint, state["step"])
+    device = next(model.parameters()).device
+    bar = _progress(cfg.steps, state["step"], progress)
+    started = time.time() - state["seconds"]
+    heads.train()
+    for batch in _batch_stream(sequences, cfg, state["step"]):
+        tokens, mask = pad(batch, pad_id, device)
+        losses, accuracy, counts = head_losses(heads, model, tokens, mask, cfg.dropout, cfg.bf16)
+        optimizer.zero_grad(set_to_none=True)
+        losses.sum().backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        state["step"] += 1
+        state["tokens"] += int(mask.sum())
+        state["seconds"] = time.time() - started
+        state["history"].append({"step": state["step"], "loss": losses.tolist(), "top1": accuracy,
+                                 "seconds": state["seconds"]})
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses.sum().item():.3f}", top1="/".join(f"{a:.2f}" for a in accuracy))
+        done = state["step"] >= cfg.steps or (cfg.max_minutes is not None and state["seconds"] > 60 * cfg.max_minutes)
+        if done or state["step"] % cfg.checkpoint_every == 0:
+            _save_checkpoint(checkpoint, heads, optimizer, scheduler, state)
+        if done:
+            break
+    bar.close()
+    heads.eval()
+    save_heads(heads, out)
+    (out / "train_history.json").write_text(json.dumps(state["history"]))
+    return state
+
+
+def _batch_stream(sequences: list[Sequence], cfg: TrainConfig, start_step: int) -> Iterator[list[Sequence]]:
+    """Batches epoch after epoch, from the one `start_step` would train on (so resume sees the same order)."""
+    per_epoch = len(batches(sequences, cfg.batch_tokens, cfg.seed, 0))
+    epoch, position = divmod(start_step, per_epoch)
+    while True:
+        yield from batches(sequences, cfg.batch_tokens, cfg.seed, epoch)[position:]
+        epoch, position = epoch + 1, 0
+
+
+def _save_checkpoint(path: Path, heads, optimizer, scheduler, state) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "state": state, "rng": torch.get_rng_state()}, tmp)
+    tmp.replace(path)  # atomic: a kill mid-save leaves the previous checkpoint
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train heads", unit="step")
