@@ -12,7 +12,7 @@ import time
 
 from .config import DecodingConfig, ModelConfig
 from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
-from .loading import available_depth, load_model, load_model_heads
+from .loading import UNTRAINED_HEADS, available_depth, load_model, load_model_heads, resolve_heads_path
 from .policy import make_policy
 from .records import error_row, result_row
 from .tree import load_topology, make_topology
@@ -49,7 +49,8 @@ class Engine:
         if needs_heads:
             heads = load_model_heads(self.loaded, model_cfg.heads)
             drafter = HydraDrafter(heads, self.loaded.model)
-            self.heads_label = model_cfg.heads or "shipped"
+            self.heads_label = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
+                                else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
         self.decoder = SpecDecoder(self.loaded, drafter, policy)
         self.actor_id: str | None = None  # set by the Ray actor that owns this engine
 

@@ -85,8 +85,9 @@ def finished_ids(output: str) -> set[str]:
 def init_ray(job: JobConfig) -> None:
     if ray.is_initialized():
         return
-    if job.address:
-        ray.init(address=job.address, log_to_driver=True)
+    address = job.address or os.environ.get("RAY_ADDRESS")  # set for us under `ray job submit`
+    if address:
+        ray.init(address=address, log_to_driver=True)
         return
     # Ray Data's own read/split/write tasks need CPUs beside the actors; on a 2-core machine the
     # checkpointing and scheduling deadlocked without headroom (DESIGN.md section 4).

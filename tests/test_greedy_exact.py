@@ -111,7 +111,7 @@ def assert_same_or_tie(got: list[int], want: list[int], logits: list[torch.Tenso
     assert gap < TIE_TOLERANCE, (
         f"{label}: token {first} is {got[first]} but greedy gives {want[first]} (top-2 logit gap {gap:.2e}, "
         "not a floating-point tie)")
-    warnings.warn(f"{label}: floating-point tie at token {first} (top-2 logit gap {gap:.2e})")
+    warnings.warn(f"{label}: floating-point tie at token {first} (top-2 logit gap {gap:.2e})", stacklevel=2)
 
 
 def run_tree(loaded, references, tree_spec, drafter_for, limit=None):
