@@ -151,8 +151,15 @@ def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tens
         cos_sin = rotary(base.rotary_emb, hidden, positions)
         context = heads.prefix_norm(heads.prefix_layer(hidden, position_embeddings=cos_sin))  # [B, T, H]
     embeds = base.embed_tokens(tokens).detach()  # [B, T, H]
-    losses, accuracy, counts = [], [], []
     autocast = torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=bf16)
+    # The teacher at position p is the base distribution for token p+1; every head's targets are
+    # among the positions whose next token is a target, so project those once for all heads.
+    teacher_at = torch.zeros_like(mask)
+    teacher_at[:, :-1] = mask[:, 1:]  # [B, T]
+    with torch.no_grad(), autocast:
+        teacher = F.log_softmax(model.lm_head(hidden[teacher_at]).float(), dim=-1)  # [N_all, V]
+    teacher_row = teacher_at.long().flatten().cumsum(0).view_as(mask) - 1  # [B, T] row in `teacher`
+    losses, accuracy, counts = [], [], []
     for i in range(heads.config.num_heads):
         span = tokens.shape[1] - i - 2  # positions t with a target t+i+2 inside the sequence
         if span <= 0:
@@ -160,14 +167,12 @@ def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tens
         valid = mask[:, i + 2:]  # [B, span]
         parts = [context[:, :span]] + [embeds[:, 1 + j: 1 + j + span] for j in range(i + 1)]
         rows = torch.cat(parts, dim=-1)[valid]  # [N, (i+2)H]
-        teacher_hidden = hidden[:, i + 1: i + 1 + span][valid]  # [N, H]: predicts token t+i+2
-        with torch.no_grad(), autocast:
-            teacher = F.log_softmax(model.lm_head(teacher_hidden).float(), dim=-1)  # [N, V]
+        target = teacher[teacher_row[:, i + 1: i + 1 + span][valid]]  # [N, V]: the base's view of token t+i+2
         with autocast:
             student = heads.project(i, heads.head_hidden(i, rows, dropout), model.lm_head)  # [N, V]
         student = F.log_softmax(student.float(), dim=-1)
-        losses.append(-(teacher.exp() * student).sum(-1).mean())
-        accuracy.append((student.argmax(-1) == teacher.argmax(-1)).float().mean().item())
+        losses.append(-(target.exp() * student).sum(-1).mean())
+        accuracy.append((student.argmax(-1) == target.argmax(-1)).float().mean().item())
         counts.append(int(valid.sum()))
     return torch.stack(losses), accuracy, counts
 
