@@ -147,7 +147,8 @@ class HydraDrafter:
             parents, d = paths.shape
             rows = torch.cat([self.context.expand(parents, -1), self.embed(paths).reshape(parents, -1)], dim=-1)
             hidden = self.heads.head_hidden(level.head_index, rows)  # [parents, H]
-            logits = self.heads.project(level.head_index, hidden.to(self.lm_head.weight.dtype), self.lm_head)  # [parents, V]
+            hidden = hidden.to(self.lm_head.weight.dtype)
+            logits = self.heads.project(level.head_index, hidden, self.lm_head)  # [parents, V]
             top = logits.topk(level.top_k, dim=-1).indices.reshape(-1)  # [parents * top_k]
             tokens[level.node_start: level.node_start + level.child_select.numel()] = top[level.child_select]
         return tokens

@@ -60,8 +60,9 @@ class LoadedModel:
         if self.chat_format == "vicuna_v1.1":
             system = next((t["content"] for t in turns if t["role"] == "system"), VICUNA_SYSTEM)
             eos = tok.eos_token or ""
-            text = system + "".join(f" USER: {t['content']}" if t["role"] == "user" else f" ASSISTANT: {t['content']}{eos}"
-                                    for t in turns if t["role"] != "system")
+            text = system + "".join(
+                f" USER: {t['content']}" if t["role"] == "user" else f" ASSISTANT: {t['content']}{eos}"
+                for t in turns if t["role"] != "system")
             return tok(text + (" ASSISTANT:" if add_generation_prompt else ""), add_special_tokens=True).input_ids
         text = "\n".join(t["content"] for t in turns)
         return tok(text, add_special_tokens=True).input_ids

@@ -92,7 +92,7 @@ def test_head_losses_match_a_position_by_position_reference(tiny, sequences):
     with torch.no_grad():
         for i in range(heads.config.num_heads):
             total, n = 0.0, 0
-            for b, seq in enumerate(batch):
+            for seq in batch:
                 ids = torch.tensor(seq.token_ids)
                 hidden = tiny.model.model(input_ids=ids[None]).last_hidden_state[0]
                 cos_sin = training.rotary(tiny.model.model.rotary_emb, hidden[None], torch.arange(len(ids)))
