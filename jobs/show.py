@@ -18,6 +18,7 @@ def main() -> int:
         return 2
     path = sys.argv[1]
     frame = pd.read_parquet(path)
+    frame["error"] = frame["error"].fillna("-")
     with pd.option_context("display.width", 160, "display.max_colwidth", 60):
         print(frame[COLUMNS].sort_values("id").to_string(index=False))
         print(f"\nfirst output ({frame.iloc[0]['id']}):\n{frame.iloc[0]['output_text']}\n")
