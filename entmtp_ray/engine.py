@@ -13,7 +13,7 @@ import time
 from .config import DecodingConfig, ModelConfig
 from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
 from .loading import UNTRAINED_HEADS, available_depth, load_model, load_model_heads, resolve_heads_path
-from .policy import make_policy
+from .policy import Policy, make_policy
 from .records import error_row, result_row
 from .tree import load_topology, make_topology
 
@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 WARMUP_PROMPT = "Say hello."
 
 
-def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> bool:
+def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[Policy, bool]:
     """Every config check that needs no model: policy, tree files, heads directory and depth.
 
-    Returns whether the policy drafts (needs heads). Raises ValueError/FileNotFoundError naming the fix.
+    Returns the policy and whether it drafts (needs heads). Raises ValueError/FileNotFoundError naming the fix.
     """
     policy = make_policy(decoding)
     topologies = [load_topology(spec) for spec in policy.trees()]
@@ -34,15 +34,14 @@ def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> bool:
         depth = available_depth(model_cfg.model, model_cfg.heads)
         for topology in topologies:
             make_topology(topology.paths, topology.name, max_depth=depth)
-    return needs_heads
+    return policy, needs_heads
 
 
 class Engine:
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig):
         self.model_cfg = model_cfg
         self.decoding = decoding
-        policy = make_policy(decoding)
-        needs_heads = preflight(model_cfg, decoding)
+        policy, needs_heads = preflight(model_cfg, decoding)
         self.loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
         drafter = None
         self.heads_label = None

@@ -115,8 +115,7 @@ def assert_same_or_tie(got: list[int], want: list[int], logits: list[torch.Tenso
 
 
 def run_tree(loaded, references, tree_spec, drafter_for, limit=None):
-    cfg = DecodingConfig(policy="fixed", tree=tree_spec if isinstance(tree_spec, str) else "x",
-                         max_new_tokens=MAX_NEW)
+    cfg = DecodingConfig(policy="fixed", tree=tree_spec, max_new_tokens=MAX_NEW)
     taus = []
     for k, (ids, want, logits) in enumerate(references[:limit]):
         drafter = drafter_for(k, ids, want)
