@@ -1,4 +1,4 @@
-"""`python -m entmtp_ray generate ...`: see cli.py."""
+"""`python -m entmtp_ray generate ...` and `python -m entmtp_ray eval-heads ...`: see cli.py."""
 
 import sys
 

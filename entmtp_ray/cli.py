@@ -104,6 +104,29 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval_heads(args) -> int:
+    from .evaluation import eval_heads, format_report
+    from .tasks import TASKS
+
+    unknown = sorted(set(args.tasks) - TASKS)
+    if unknown:
+        print(f"error: unknown task(s) {unknown}; choose from {sorted(TASKS)}", file=sys.stderr)
+        return 2
+    try:
+        model_cfg = ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
+                                chat_format=args.chat_format)
+        report = eval_heads(model_cfg, args.tasks, args.limit, args.tree, args.temperatures, args.max_new_tokens,
+                            args.heldout, args.seed, {"gsm8k": args.gsm8k_data})
+    except (ValueError, ValidationError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report), file=sys.stderr)
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report))
+    return 0
+
+
 def quiet_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     transformers_logging.disable_progress_bar()
@@ -119,9 +142,24 @@ def main(argv=None) -> int:
     add_model_args(gen)
     add_decoding_args(gen)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ev = sub.add_parser("eval-heads", help="per-head top-1 on held-out text and tau per task with a tree")
+    add_model_args(ev)
+    ev.add_argument("--tasks", nargs="+", default=["gsm8k", "humaneval", "sharegpt"])
+    ev.add_argument("--gsm8k-data", default=None, help="local GSM8K file (default: ../shared/data/gsm8k/"
+                    "train.jsonl beside the repo, else the hub); only its eval subset is used")
+    ev.add_argument("--limit", type=int, default=20, help="eval prompts per task")
+    ev.add_argument("--tree", default="hydra", help="built-in tree name or JSON file of paths")
+    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
+                    help="0 = greedy acceptance, >0 = typical acceptance")
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--heldout", type=int, default=50, help="held-out ShareGPT conversations for per-head "
+                    "top-1 (0 = skip)")
+    ev.add_argument("--seed", type=int, default=123)
+    ev.add_argument("--output", default=None, help="also write the JSON report here")
+    ev.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     quiet_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
-    return {"generate": cmd_generate}[args.command](args)
+    return {"generate": cmd_generate, "eval-heads": cmd_eval_heads}[args.command](args)
 

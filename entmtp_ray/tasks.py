@@ -9,7 +9,9 @@ for offline labeling; a source column whose name the output uses is renamed `inp
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -259,11 +261,50 @@ def load_dataset_rows(dataset: str, prompt_column: str, id_column: str | None, m
 
 TASKS = {"gsm8k", "humaneval", "sharegpt"}
 
+# ---- tune / eval subsets -----------------------------------------------------------------------
+# Heads are trained and banks calibrated on the `tune` subset; figures are reported on `eval`, which
+# nothing is ever fitted to. HumanEval uses the project's fixed split (84 calibration ids, 80 for
+# evaluation); every other source holds out one row in EVAL_BUCKETS by a hash of the task and row id,
+# so the split is stable whatever sample or order a run takes.
+SUBSETS = ("all", "tune", "eval")
+EVAL_BUCKETS = 10
+HUMANEVAL_SPLIT = Path(__file__).resolve().parents[2] / "shared" / "data" / "splits" / "humaneval_calibration.json"
+
+
+def humaneval_tune_ids() -> set[str]:
+    path = Path(os.environ.get("ENTMTP_HUMANEVAL_SPLIT", HUMANEVAL_SPLIT))
+    if not path.is_file():
+        raise ValueError(f"the HumanEval calibration split {path} is missing; set ENTMTP_HUMANEVAL_SPLIT to "
+                         "a JSON file with a 'task_ids' list (../shared/data/splits/humaneval_calibration.json)")
+    return set(json.loads(path.read_text())["task_ids"])
+
+
+def is_eval_row(task: str | None, row_id: str) -> bool:
+    digest = hashlib.sha1(f"{task or 'dataset'}:{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % EVAL_BUCKETS == 0
+
+
+def select_subset(table: pa.Table, task: str | None, subset: str) -> pa.Table:
+    """The rows of `table` in `subset` ('all', 'tune' or 'eval')."""
+    if subset not in SUBSETS:
+        raise ValueError(f"unknown subset '{subset}'; choose one of {list(SUBSETS)}")
+    if subset == "all":
+        return table
+    ids = table.column("id").to_pylist()
+    if task == "humaneval":
+        tune = humaneval_tune_ids()
+        held = [i not in tune for i in ids]
+    else:
+        held = [is_eval_row(task, i) for i in ids]
+    keep = held if subset == "eval" else [not h for h in held]
+    return table.filter(pa.array(keep, pa.bool_()))
+
 
 def load_prompts(task: str | None, dataset: str | None, split: str = "test", prompt_column: str = "prompt",
                  id_column: str | None = None, messages_column: str | None = None, limit: int | None = None,
-                 seed: int = 123) -> pa.Table:
-    """The prompt table of a named task or a dataset, sampled to `limit` rows with `seed`."""
+                 seed: int = 123, subset: str = "all") -> pa.Table:
+    """The prompt table of a named task or a dataset, restricted to `subset` and sampled to `limit`
+    rows with `seed`."""
     if task is not None and task not in TASKS:
         raise ValueError(f"unknown task '{task}'; choose one of {sorted(TASKS)} or pass --dataset")
     if task == "gsm8k":
@@ -276,7 +317,7 @@ def load_prompts(task: str | None, dataset: str | None, split: str = "test", pro
         table = load_dataset_rows(dataset, prompt_column, id_column, messages_column, split)
     else:
         raise ValueError("nothing to generate for: pass --task NAME or --dataset PATH_OR_HUB_ID")
-    return sample(table, limit, seed)
+    return sample(select_subset(table, task, subset), limit, seed)
 
 
 def sample(table: pa.Table, limit: int | None, seed: int) -> pa.Table:

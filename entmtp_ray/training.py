@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import pyarrow as pa
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
@@ -74,13 +75,16 @@ def chat_sequence(loaded: LoadedModel, turns: list[dict], max_len: int) -> Seque
     return Sequence(ids, mask) if any(mask[1:]) else None
 
 
-def sharegpt_conversations(limit: int, skip: int = 0) -> Iterator[list[dict]]:
-    """ShareGPT conversations as [{role, content}] turns, starting with a user turn."""
-    from .tasks import iter_sharegpt
+def sharegpt_conversations(limit: int, subset: str = "tune") -> Iterator[list[dict]]:
+    """The first `limit` ShareGPT conversations of `subset` ('tune' or 'eval', see tasks.select_subset)
+    as [{role, content}] turns, starting with a user turn."""
+    from .tasks import is_eval_row, iter_sharegpt
 
     roles = {"human": "user", "gpt": "assistant"}
     seen = 0
     for record in iter_sharegpt():
+        if is_eval_row("sharegpt", str(record.get("id"))) != (subset == "eval"):
+            continue
         turns = [{"role": roles[t["from"]], "content": t["value"]} for t in record.get("conversations", [])
                  if t.get("from") in roles and isinstance(t.get("value"), str) and t["value"].strip()]
         while turns and turns[0]["role"] != "user":
@@ -88,9 +92,7 @@ def sharegpt_conversations(limit: int, skip: int = 0) -> Iterator[list[dict]]:
         if len(turns) < 2:
             continue
         seen += 1
-        if seen <= skip:
-            continue
-        if seen > skip + limit:
+        if seen > limit:
             return
         yield turns
 
@@ -104,6 +106,56 @@ def generated_conversations(directories: Iterable[str]) -> Iterator[list[dict]]:
         for row in table.to_pylist():
             if row["error"] is None and row["output_text"]:
                 yield [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["output_text"]}]
+
+
+def distill(loaded: LoadedModel, prompts: pa.Table, out_dir: str | Path, batch_size: int = 32,
+            max_new_tokens: int = 256, progress: bool = True) -> int:
+    """Self-distillation data: the base model's own greedy replies to `prompts` (columns id, prompt).
+
+    Replies are generated in padded batches with transformers `generate` (much faster than batch size
+    1 on any hardware; the training data need not match the engine token for token) and written as one
+    Parquet part per batch with the columns generated_conversations() reads, so a killed run resumes
+    where it stopped. Returns the number of rows written by this call.
+    """
+    import pyarrow.parquet as pq
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = set()
+    for part in sorted(out.glob("part-*.parquet")):
+        done.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+    rows = [r for r in prompts.select(["id", "prompt"]).to_pylist() if r["id"] not in done and r["prompt"]]
+    encoded = sorted(((r, loaded.encode_prompt(r["prompt"])) for r in rows), key=lambda x: len(x[1]))
+    pad_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    eos = sorted(loaded.eos_token_ids)
+    from tqdm.auto import tqdm
+
+    written = 0
+    index = len(list(out.glob("part-*.parquet")))
+    with tqdm(total=len(encoded), disable=not progress, desc="distill", unit="row") as bar:
+        for start in range(0, len(encoded), batch_size):
+            chunk = encoded[start: start + batch_size]
+            width = max(len(ids) for _, ids in chunk)
+            tokens = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            attention = torch.zeros((len(chunk), width), dtype=torch.long)
+            for k, (_, ids) in enumerate(chunk):  # left padding: every reply starts at column `width`
+                tokens[k, width - len(ids):] = torch.tensor(ids)
+                attention[k, width - len(ids):] = 1
+            with torch.no_grad():
+                generated = loaded.model.generate(
+                    input_ids=tokens.to(loaded.device), attention_mask=attention.to(loaded.device),
+                    max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=eos)
+            texts = []
+            for reply in generated[:, width:].tolist():
+                cut = next((k for k, t in enumerate(reply) if t in loaded.eos_token_ids), len(reply))
+                texts.append(loaded.tokenizer.decode(reply[:cut], skip_special_tokens=True))
+            table = pa.table({"id": [r["id"] for r, _ in chunk], "prompt": [r["prompt"] for r, _ in chunk],
+                              "output_text": texts, "error": pa.array([None] * len(chunk), pa.string())})
+            pq.write_table(table, out / f"part-{index:05d}.parquet")
+            index += 1
+            written += len(chunk)
+            bar.update(len(chunk))
+    return written
 
 
 def batches(sequences: list[Sequence], batch_tokens: int, seed: int, epoch: int) -> list[list[Sequence]]:
@@ -143,21 +195,23 @@ def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tens
     tokens, mask: [B, T]. Head i at position t targets token t+i+2, valid where mask[:, t+i+2].
     """
     base = model.model
-    with torch.no_grad():
-        hidden = base(input_ids=tokens).last_hidden_state  # [B, T, H] post-norm
+    autocast = torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=bf16)
+    with torch.no_grad(), autocast:
+        hidden = base(input_ids=tokens).last_hidden_state.float()  # [B, T, H] post-norm
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     context = hidden
     if heads.prefix_layer is not None:
         cos_sin = rotary(base.rotary_emb, hidden, positions)
-        context = heads.prefix_norm(heads.prefix_layer(hidden, position_embeddings=cos_sin))  # [B, T, H]
+        with autocast:
+            context = heads.prefix_norm(heads.prefix_layer(hidden, position_embeddings=cos_sin)).float()  # [B, T, H]
     embeds = base.embed_tokens(tokens).detach()  # [B, T, H]
-    autocast = torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=bf16)
     # The teacher at position p is the base distribution for token p+1; every head's targets are
     # among the positions whose next token is a target, so project those once for all heads.
     teacher_at = torch.zeros_like(mask)
     teacher_at[:, :-1] = mask[:, 1:]  # [B, T]
     with torch.no_grad(), autocast:
-        teacher = F.log_softmax(model.lm_head(hidden[teacher_at]).float(), dim=-1)  # [N_all, V]
+        teacher = F.softmax(model.lm_head(hidden[teacher_at]).float(), dim=-1)  # [N_all, V]
+    teacher_top = teacher.argmax(-1)
     teacher_row = teacher_at.long().flatten().cumsum(0).view_as(mask) - 1  # [B, T] row in `teacher`
     losses, accuracy, counts = [], [], []
     for i in range(heads.config.num_heads):
@@ -167,12 +221,12 @@ def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tens
         valid = mask[:, i + 2:]  # [B, span]
         parts = [context[:, :span]] + [embeds[:, 1 + j: 1 + j + span] for j in range(i + 1)]
         rows = torch.cat(parts, dim=-1)[valid]  # [N, (i+2)H]
-        target = teacher[teacher_row[:, i + 1: i + 1 + span][valid]]  # [N, V]: the base's view of token t+i+2
+        picked = teacher_row[:, i + 1: i + 1 + span][valid]  # [N]: the base's view of token t+i+2
         with autocast:
             student = heads.project(i, heads.head_hidden(i, rows, dropout), model.lm_head)  # [N, V]
-        student = F.log_softmax(student.float(), dim=-1)
-        losses.append(-(target.exp() * student).sum(-1).mean())
-        accuracy.append((student.argmax(-1) == target.argmax(-1)).float().mean().item())
+        student = student.float()
+        losses.append(F.cross_entropy(student, teacher[picked]))  # soft targets: the base's distribution
+        accuracy.append((student.argmax(-1) == teacher_top[picked]).float().mean().item())
         counts.append(int(valid.sum()))
     return torch.stack(losses), accuracy, counts
 

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory for the heads, checkpoints and model card")
     p.add_argument("--sharegpt", type=int, default=2000, help="ShareGPT conversations to train on")
     p.add_argument("--self-distill", nargs="*", default=[], help="jobs/generate.py output directories")
-    p.add_argument("--heldout", type=int, default=100, help="conversations held out for the per-head accuracy")
+    p.add_argument("--heldout", type=int, default=100, help="held-out ShareGPT conversations (eval subset) for the per-head accuracy")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--own-lm-heads", action="store_true", help="one vocab projection per head (large) instead "
@@ -58,11 +58,12 @@ def main(argv=None) -> int:
     started = time.time()
 
     loaded = load_model(args.model, dtype=args.dtype)
-    conversations = list(sharegpt_conversations(args.sharegpt + args.heldout)) + list(
-        generated_conversations(args.self_distill))
+    conversations = list(sharegpt_conversations(args.sharegpt)) + list(generated_conversations(args.self_distill))
     random.Random(cfg.seed).shuffle(conversations)
-    sequences = [s for s in (chat_sequence(loaded, c, cfg.max_len) for c in conversations) if s is not None]
-    heldout, training = sequences[: args.heldout], sequences[args.heldout:]
+    training = [s for s in (chat_sequence(loaded, c, cfg.max_len) for c in conversations) if s is not None]
+    # held-out text: ShareGPT conversations of the eval subset, which no training or calibration sees
+    heldout = [s for s in (chat_sequence(loaded, c, cfg.max_len) for c in sharegpt_conversations(args.heldout, "eval"))
+               if s is not None]
     print(f"{len(training)} training sequences ({sum(sum(s.target_mask) for s in training)} target tokens), "
           f"{len(heldout)} held out; {time.time() - started:.0f}s to prepare", file=sys.stderr)
 

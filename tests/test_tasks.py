@@ -125,3 +125,21 @@ def test_malformed_jsonl_lines_become_error_rows(tmp_path):
     assert "line 2" in rows[1]["_input_error"] and "not valid JSON" in rows[1]["_input_error"]
     assert "not a JSON object" in rows[2]["_input_error"]
     assert rows[0]["_input_error"] is None and "_line_error" not in rows[0]
+
+
+def test_tune_and_eval_subsets_partition_every_task(gsm8k_path):
+    from entmtp_ray.tasks import humaneval_tune_ids
+
+    for task, dataset in [("gsm8k", gsm8k_path), ("humaneval", None)]:
+        every = set(load_prompts(task, dataset).column("id").to_pylist())
+        tune = set(load_prompts(task, dataset, subset="tune").column("id").to_pylist())
+        held = set(load_prompts(task, dataset, subset="eval").column("id").to_pylist())
+        assert tune | held == every and not tune & held
+    assert held == every - humaneval_tune_ids() and len(held) == 80
+    gsm_held = load_prompts("gsm8k", gsm8k_path, subset="eval").num_rows
+    assert 0.07 < gsm_held / 7473 < 0.13  # one row in ten, by hash
+    # a sample of the eval subset never leaves it, whatever the limit
+    sampled = set(load_prompts("gsm8k", gsm8k_path, subset="eval", limit=20).column("id").to_pylist())
+    assert len(sampled) == 20 and sampled <= set(load_prompts("gsm8k", gsm8k_path, subset="eval").column("id").to_pylist())
+    with pytest.raises(ValueError, match="unknown subset"):
+        load_prompts("humaneval", None, subset="test")
