@@ -137,11 +137,13 @@ def init_heads(base_model, num_heads: int = 4, num_layers: int = 4, arch: str = 
     return heads
 
 
-def save_heads(heads: HydraHeads, directory: str | Path) -> None:
+def save_heads(heads: HydraHeads, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+    """heads_config.json + heads.safetensors; `dtype` (e.g. bf16, half the size) is what is stored,
+    and loading casts back to the heads' own dtype."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_FILE).write_text(heads.config.model_dump_json(indent=2) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in heads.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_FILE))
 
 

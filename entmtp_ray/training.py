@@ -109,13 +109,14 @@ def generated_conversations(directories: Iterable[str]) -> Iterator[list[dict]]:
 
 
 def distill(loaded: LoadedModel, prompts: pa.Table, out_dir: str | Path, batch_size: int = 32,
-            max_new_tokens: int = 256, progress: bool = True) -> int:
+            max_new_tokens: int = 256, max_prompt_tokens: int = 384, progress: bool = True) -> int:
     """Self-distillation data: the base model's own greedy replies to `prompts` (columns id, prompt).
 
     Replies are generated in padded batches with transformers `generate` (much faster than batch size
     1 on any hardware; the training data need not match the engine token for token) and written as one
     Parquet part per batch with the columns generated_conversations() reads, so a killed run resumes
-    where it stopped. Returns the number of rows written by this call.
+    where it stopped. Prompts over `max_prompt_tokens` are skipped: training cuts sequences short, so
+    their replies would not be seen. Returns the number of rows written by this call.
     """
     import pyarrow.parquet as pq
 
@@ -126,6 +127,7 @@ def distill(loaded: LoadedModel, prompts: pa.Table, out_dir: str | Path, batch_s
         done.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
     rows = [r for r in prompts.select(["id", "prompt"]).to_pylist() if r["id"] not in done and r["prompt"]]
     encoded = sorted(((r, loaded.encode_prompt(r["prompt"])) for r in rows), key=lambda x: len(x[1]))
+    encoded = [(r, ids) for r, ids in encoded if len(ids) <= max_prompt_tokens]
     pad_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
     eos = sorted(loaded.eos_token_ids)
     from tqdm.auto import tqdm
@@ -235,12 +237,13 @@ def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tens
 def evaluate(heads: HydraHeads, model, sequences: list[Sequence], batch_tokens: int, pad_id: int) -> dict:
     """Per-head top-1 agreement with the base model's argmax on held-out target tokens."""
     heads.eval()
+    bf16_base = next(model.parameters()).dtype == torch.bfloat16  # fp32 heads need autocast over a bf16 base
     hits = [0.0] * heads.config.num_heads
     totals = [0] * heads.config.num_heads
     loss_sum = [0.0] * heads.config.num_heads
     for batch in batches(sequences, batch_tokens, seed=0, epoch=0):
         tokens, mask = pad(batch, pad_id, next(model.parameters()).device)
-        losses, accuracy, counts = head_losses(heads, model, tokens, mask)
+        losses, accuracy, counts = head_losses(heads, model, tokens, mask, bf16=bf16_base)
         for i, (loss, acc, n) in enumerate(zip(losses.tolist(), accuracy, counts)):
             hits[i] += acc * n
             loss_sum[i] += loss * n
@@ -261,7 +264,7 @@ def _schedule(cfg: TrainConfig):
 
 
 def train(heads: HydraHeads, model, sequences: list[Sequence], cfg: TrainConfig, out_dir: str | Path,
-          pad_id: int, resume: bool = False, progress: bool = True) -> dict:
+          pad_id: int, resume: bool = False, progress: bool = True, save_dtype: torch.dtype | None = None) -> dict:
     """Train `heads` in place; checkpoints to out_dir/checkpoint.pt, final heads saved in out_dir.
 
     Returns {"steps", "tokens", "seconds", "history"}. Resuming continues the same data order.
@@ -308,7 +311,7 @@ def train(heads: HydraHeads, model, sequences: list[Sequence], cfg: TrainConfig,
             break
     bar.close()
     heads.eval()
-    save_heads(heads, out)
+    save_heads(heads, out, save_dtype)
     (out / "train_history.json").write_text(json.dumps(state["history"]))
     return state
 

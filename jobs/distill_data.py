@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (training cuts "
+                   "sequences at --max-len, so their replies would go unseen)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     quiet_logging()
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
                            limit=args.limit, seed=args.seed, subset="tune")
     loaded = load_model(args.model, dtype=args.dtype)
     started = time.time()
-    n = distill(loaded, prompts, args.out, args.batch_size, args.max_new_tokens)
+    n = distill(loaded, prompts, args.out, args.batch_size, args.max_new_tokens, args.max_prompt_tokens)
     print(f"{n} replies written to {args.out} in {time.time() - started:.0f}s", file=sys.stderr)
     return 0
 

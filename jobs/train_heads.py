@@ -32,10 +32,15 @@ from entmtp_ray.training import (TrainConfig, chat_sequence, evaluate,  # noqa: 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=EMBEDDED_MODEL)
-    p.add_argument("--dtype", default="fp32", help="base model dtype (bf16 autocast is separate: --no-bf16)")
+    p.add_argument("--dtype", default="bf16", help="dtype of the frozen base model while training (bf16: the "
+                   "teacher and hidden states at half the cost on CPU; heads train in fp32 under --bf16 autocast)")
     p.add_argument("--out", required=True, help="directory for the heads, checkpoints and model card")
     p.add_argument("--sharegpt", type=int, default=2000, help="ShareGPT conversations to train on")
     p.add_argument("--self-distill", nargs="*", default=[], help="jobs/generate.py output directories")
+    p.add_argument("--distill-repeat", type=int, default=1, help="times each self-distillation reply is in the "
+                   "data (weighs the tasks' own text against ShareGPT)")
+    p.add_argument("--save-dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="dtype of the saved heads (bf16 halves the file; loading casts back)")
     p.add_argument("--heldout", type=int, default=100, help="held-out ShareGPT conversations (eval subset) for the per-head accuracy")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=4)
@@ -58,7 +63,8 @@ def main(argv=None) -> int:
     started = time.time()
 
     loaded = load_model(args.model, dtype=args.dtype)
-    conversations = list(sharegpt_conversations(args.sharegpt)) + list(generated_conversations(args.self_distill))
+    conversations = list(sharegpt_conversations(args.sharegpt)) + args.distill_repeat * list(
+        generated_conversations(args.self_distill))
     random.Random(cfg.seed).shuffle(conversations)
     training = [s for s in (chat_sequence(loaded, c, cfg.max_len) for c in conversations) if s is not None]
     # held-out text: ShareGPT conversations of the eval subset, which no training or calibration sees
@@ -72,15 +78,18 @@ def main(argv=None) -> int:
                        seed=cfg.seed, base_name=args.model)  # with --resume, train() loads the checkpoint over it
     heads.to(loaded.device)
     pad_id = loaded.tokenizer.pad_token_id or 0
-    state = train(heads, loaded.model, training, cfg, out, pad_id, resume=args.resume)
+    state = train(heads, loaded.model, training, cfg, out, pad_id, resume=args.resume,
+                  save_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype])
     scores = evaluate(heads, loaded.model, heldout, cfg.batch_tokens, pad_id)
     card = {
         "base_model": args.model,
         "data": {"sharegpt_conversations": args.sharegpt, "self_distill": args.self_distill,
+                 "distill_repeat": args.distill_repeat,
                  "training_sequences": len(training), "heldout_sequences": len(heldout)},
         "target_tokens_seen": state["tokens"],
         "steps": state["step"],
         "train_seconds": state["seconds"],
+        "base_dtype": args.dtype,
         "hardware": {"device": str(loaded.device), "threads": torch.get_num_threads(),
                      "cpu": platform.processor() or platform.machine()},
         "config": cfg.model_dump(),

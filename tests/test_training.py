@@ -58,6 +58,23 @@ def test_a_few_steps_lower_the_loss(tiny, sequences, tmp_path):
     assert torch.equal(reloaded.logits(1, rows, tiny.model.lm_head), heads.logits(1, rows, tiny.model.lm_head))
 
 
+def test_heads_saved_in_bf16_are_half_the_size_and_load_as_the_rounded_weights(tiny, tmp_path):
+    from entmtp_ray.heads import WEIGHTS_FILE, save_heads
+
+    heads = fresh_heads(tiny)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    save_heads(heads, tmp_path / "fp32")
+    save_heads(heads, tmp_path / "bf16", torch.bfloat16)
+    size = {d: (tmp_path / d / WEIGHTS_FILE).stat().st_size for d in ("fp32", "bf16")}
+    assert size["bf16"] < 0.55 * size["fp32"]
+    reloaded = load_heads(tmp_path / "bf16", tiny.model)
+    for (name, want), got in zip(heads.state_dict().items(), reloaded.state_dict().values()):
+        assert got.dtype == torch.float32, name
+        assert torch.equal(got, want.to(torch.bfloat16).float()), name
+
+
 def test_resume_continues_from_checkpoint(tiny, sequences, tmp_path, monkeypatch):
     pad_id = tiny.tokenizer.pad_token_id or 0
     cfg = TrainConfig(lr=2e-3, warmup_steps=1, steps=8, batch_tokens=128, dropout=0.2, bf16=False, checkpoint_every=3)
