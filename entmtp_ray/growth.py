@@ -1,0 +1,121 @@
+"""Tree growth from measured acceptance: the paper's Algorithm 1 and the Pareto frontier. Pure
+Python over rank tables; no model here (banks.py measures the tables, this module decides).
+
+An *acceptance table* has one row per calibration position t of a self-rollout: the rank of the
+true next token in each head's top-k along the true path (row[k] for depth k+1; -1 = not within
+the ranks we keep). A tree accepts d drafts at t when the rank prefix row[:d] is one of its paths,
+so a tree's expected accepted length is 1 + the fraction of rows matching each of its paths,
+summed. Adding a path p whose parent is in the tree gains exactly count(rows starting with p) / N.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from itertools import combinations
+
+Path_ = tuple[int, ...]
+
+
+class AcceptanceTable:
+    """Rank tuples of calibration positions, counted by prefix (so every query is a lookup)."""
+
+    def __init__(self, rows: Iterable[Sequence[int]], max_depth: int):
+        self.max_depth = max_depth
+        self.rows = 0
+        self.prefix_counts: Counter[Path_] = Counter()
+        for row in rows:
+            self.rows += 1
+            prefix: list[int] = []
+            for rank in list(row)[:max_depth]:
+                if rank < 0:
+                    break
+                prefix.append(int(rank))
+                self.prefix_counts[tuple(prefix)] += 1
+        if self.rows == 0:
+            raise ValueError("an acceptance table needs at least one calibration position")
+
+    def gain(self, path: Path_) -> float:
+        """Expected extra accepted tokens per step from adding `path` (its parent already present)."""
+        return self.prefix_counts.get(tuple(path), 0) / self.rows
+
+    def accepted_length(self, paths: Iterable[Path_]) -> float:
+        """Expected accepted length (bonus token included) of a prefix-closed tree."""
+        return 1.0 + sum(self.gain(p) for p in paths)
+
+
+def _candidates(tree: set[Path_], max_depth: int) -> list[Path_]:
+    """Paths that keep the tree valid when added: the next rank under every present node (root included)."""
+    out = []
+    for parent in [(), *tree]:
+        if len(parent) >= max_depth:
+            continue
+        rank = 0
+        while parent + (rank,) in tree:
+            rank += 1
+        out.append(parent + (rank,))
+    return out
+
+
+def _preference(table: AcceptanceTable, path: Path_) -> tuple:
+    """Higher gain first; ties: shallower, then smaller rank sum, then the path itself (deterministic)."""
+    return (-table.gain(path), len(path), sum(path), path)
+
+
+def grow_trees(table: AcceptanceTable, budget: int, max_depth: int | None = None) -> list[tuple[Path_, ...]]:
+    """Algorithm 1: add the best child one node at a time. Returns the tree after each addition
+    (trees[k] has k+1 paths, i.e. k+2 nodes with the root), up to `budget` nodes in all."""
+    depth = max_depth if max_depth is not None else table.max_depth
+    tree: set[Path_] = set()
+    order: list[Path_] = []
+    trees = []
+    while len(tree) + 1 < budget:
+        best = min(_candidates(tree, depth), key=lambda p: _preference(table, p))
+        tree.add(best)
+        order.append(best)
+        trees.append(tuple(sorted(order, key=lambda p: (len(p), p))))
+    return trees
+
+
+def brute_force_best(table: AcceptanceTable, budget: int, max_depth: int, max_rank: int) -> tuple[float, set]:
+    """The best expected accepted length over every valid tree of `budget` nodes whose ranks are
+    below `max_rank` (exponential: for tests on small budgets only). Returns (value, set of best trees)."""
+    universe = [p for p in _all_paths(max_depth, max_rank)]
+    best, winners = -1.0, set()
+    for subset in combinations(universe, budget - 1):
+        paths = set(subset)
+        if not _valid(paths):
+            continue
+        value = table.accepted_length(paths)
+        if value > best + 1e-12:
+            best, winners = value, {frozenset(paths)}
+        elif abs(value - best) <= 1e-12:
+            winners.add(frozenset(paths))
+    return best, winners
+
+
+def _all_paths(max_depth: int, max_rank: int) -> list[Path_]:
+    level: list[Path_] = [()]
+    out = []
+    for _ in range(max_depth):
+        level = [p + (r,) for p in level for r in range(max_rank)]
+        out += level
+    return out
+
+
+def _valid(paths: set[Path_]) -> bool:
+    """Prefix-closed with contiguous ranks."""
+    return all(p[:-1] in paths or len(p) == 1 for p in paths) and all(
+        p[-1] == 0 or p[:-1] + (p[-1] - 1,) in paths for p in paths)
+
+
+def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points (cost, value) that no other point beats: none with cost <= and value >=,
+    one of them strictly. Sorted by cost; among exact duplicates the first is kept."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1], i))
+    keep, best = [], float("-inf")
+    for i in order:
+        if points[i][1] > best:
+            keep.append(i)
+            best = points[i][1]
+    return keep

@@ -1,0 +1,80 @@
+"""Tree growth (Algorithm 1) over acceptance tables, and the Pareto frontier."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from entmtp_ray.growth import AcceptanceTable, brute_force_best, grow_trees, pareto_frontier
+from entmtp_ray.tree import make_topology
+
+
+def synthetic_rows(n: int, seed: int, depth: int = 3) -> list[list[int]]:
+    """A synthetic acceptance model: at depth k the true token is within the kept ranks with
+    probability 0.8 * 0.75^k, at a geometric rank (q = 0.45); otherwise the row stops there."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        row = []
+        for k in range(depth):
+            if rng.random() > 0.8 * 0.75 ** k:
+                row.append(-1)
+                break
+            rank = 0
+            while rng.random() < 0.45 and rank < 5:
+                rank += 1
+            row.append(rank)
+        rows.append(row)
+    return rows
+
+
+def test_accepted_length_counts_matching_prefixes():
+    table = AcceptanceTable([[0, 0], [0, 1], [1, -1], [-1]], max_depth=2)
+    assert table.accepted_length([]) == 1.0
+    assert table.accepted_length([(0,)]) == pytest.approx(1.5)
+    assert table.accepted_length([(0,), (1,), (0, 0), (0, 1)]) == pytest.approx(1 + 3 / 4 + 2 / 4)
+
+
+@pytest.mark.parametrize("budget", [3, 4, 5])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_growth_recovers_the_brute_force_tree(budget, seed):
+    table = AcceptanceTable(synthetic_rows(3000, seed), max_depth=3)
+    grown = grow_trees(table, budget, max_depth=3)[-1]
+    assert len(grown) + 1 == budget
+    best, winners = brute_force_best(table, budget, max_depth=3, max_rank=3)
+    assert table.accepted_length(grown) == pytest.approx(best)
+    assert frozenset(grown) in winners
+
+
+def test_grown_trees_are_valid_nested_and_respect_depth():
+    table = AcceptanceTable(synthetic_rows(2000, 5, depth=4), max_depth=4)
+    trees = grow_trees(table, 64, max_depth=3)
+    assert [len(t) + 1 for t in trees] == list(range(2, 65))
+    for small, big in zip(trees, trees[1:]):
+        assert set(small) < set(big)
+        assert table.accepted_length(big) >= table.accepted_length(small)
+    topology = make_topology(trees[-1], "grown", max_depth=3)  # validates prefix closure and ranks
+    assert topology.depth <= 3
+
+
+def test_ties_prefer_shallower_then_smaller_rank_sum():
+    # no position accepts anything: every candidate gains 0, so the order is the tie-break alone
+    table = AcceptanceTable([[-1]] * 4, max_depth=3)
+    assert grow_trees(table, 4, max_depth=3)[-1] == ((0,), (1,), (2,))
+
+
+def test_pareto_frontier_keeps_exactly_the_undominated_points():
+    rng = random.Random(3)
+    points = [(rng.randint(1, 30), round(rng.random() * 3, 2)) for _ in range(200)]
+    keep = set(pareto_frontier(points))
+
+    def dominated(i):
+        c, v = points[i]
+        return any((c2 <= c and v2 >= v) and (c2 < c or v2 > v) for c2, v2 in points)
+
+    for i in range(len(points)):
+        if i in keep:
+            assert not dominated(i)
+        else:
+            assert dominated(i) or any(points[j] == points[i] for j in keep)
