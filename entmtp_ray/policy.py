@@ -6,6 +6,7 @@ picks one tree per step with `choose()`, and sees each finished step through `ob
 
 from __future__ import annotations
 
+import bisect
 from typing import Protocol
 
 from .config import DecodingConfig
@@ -50,6 +51,121 @@ class FixedTree:
 
     def observe(self, step: StepView) -> None:
         pass
+
+
+# ---- scheduling signals (oriented as uncertainty: lower = more confident) -----------------------
+
+class Signal:
+    """A running estimate updated after every step: s <- beta*s + (1-beta)*x for each observation x."""
+
+    def __init__(self, beta: float = 0.9, initial: float = 0.0):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"signal beta must be in [0, 1), got {beta}")
+        self.beta, self.initial = beta, initial
+        self.value = initial
+
+    def reset(self) -> None:
+        self.value = self.initial
+
+    def observations(self, step: StepView) -> list[float]:
+        raise NotImplementedError
+
+    def update(self, step: StepView) -> float:
+        for x in self.observations(step):
+            self.value = self.beta * self.value + (1.0 - self.beta) * x
+        return self.value
+
+
+class EntropySignal(Signal):
+    """The paper's: the verifier's next-token entropy (nats) at each accepted token."""
+
+    def observations(self, step: StepView) -> list[float]:
+        return list(step.entropy)
+
+
+class Top1Signal(Signal):
+    """1 - the verifier's top-1 probability at each accepted token."""
+
+    def observations(self, step: StepView) -> list[float]:
+        return [1.0 - p for p in step.top1_prob]
+
+
+class PathSignal(Signal):
+    """1 - the step's path value, EAGLE-2 style: the product of top-1 probabilities along the
+    accepted path (one observation per step)."""
+
+    def observations(self, step: StepView) -> list[float]:
+        value = 1.0
+        for p in step.top1_prob:
+            value *= p
+        return [1.0 - value]
+
+
+SIGNALS = {"entropy": EntropySignal, "top1": Top1Signal, "path": PathSignal}
+
+
+def make_signal(name: str, beta: float = 0.9, initial: float = 0.0) -> Signal:
+    if name not in SIGNALS:
+        raise ValueError(f"unknown signal '{name}'; choose one of {sorted(SIGNALS)}")
+    return SIGNALS[name](beta, initial)
+
+
+class LadderPolicy:
+    """K trees for K intervals of the signal: trees[i] while thresholds[i-1] <= s < thresholds[i]
+    (trees ordered from the most confident interval to the least)."""
+
+    def __init__(self, name: str, trees: list[str], thresholds: list[float], signal: Signal):
+        if len(trees) != len(thresholds) + 1 or list(thresholds) != sorted(thresholds):
+            raise ValueError("a ladder needs K trees and K-1 ascending thresholds")
+        self.name, self._trees, self.thresholds, self.signal = name, list(trees), list(thresholds), signal
+        self.current = self._pick()
+
+    def _pick(self) -> str:
+        return self._trees[bisect.bisect_right(self.thresholds, self.signal.value)]
+
+    def trees(self) -> list[str]:
+        return list(dict.fromkeys(self._trees))
+
+    def reset(self) -> None:
+        self.signal.reset()
+        self.current = self._pick()
+
+    def choose(self) -> str:
+        return self.current
+
+    def observe(self, step: StepView) -> None:
+        self.signal.update(step)
+        self.current = self._pick()
+
+
+class HysteresisPolicy:
+    """Two trees with hysteresis: go aggressive once s <= tau_on, back to conservative once
+    s >= tau_off (tau_on < tau_off), so a signal wandering between them never flips the tree."""
+
+    def __init__(self, name: str, conservative: str, aggressive: str, tau_on: float, tau_off: float,
+                 signal: Signal, start_aggressive: bool = False):
+        if not tau_on < tau_off:
+            raise ValueError(f"hysteresis needs tau_on < tau_off, got {tau_on} and {tau_off}")
+        self.name, self.conservative, self.aggressive = name, conservative, aggressive
+        self.tau_on, self.tau_off, self.signal, self.start_aggressive = tau_on, tau_off, signal, start_aggressive
+        self.is_aggressive = start_aggressive
+
+    def trees(self) -> list[str]:
+        return list(dict.fromkeys([self.conservative, self.aggressive]))
+
+    def reset(self) -> None:
+        self.signal.reset()
+        self.is_aggressive = self.start_aggressive
+
+    def choose(self) -> str:
+        return self.aggressive if self.is_aggressive else self.conservative
+
+    def observe(self, step: StepView) -> None:
+        s = self.signal.update(step)
+        if self.is_aggressive and s >= self.tau_off:
+            self.is_aggressive = False
+        elif not self.is_aggressive and s <= self.tau_on:
+            self.is_aggressive = True
 
 
 def _fixed(cfg: DecodingConfig) -> FixedTree:

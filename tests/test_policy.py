@@ -1,0 +1,69 @@
+"""Scheduling signals and the switching policies (pure Python, no model)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from entmtp_ray.policy import HysteresisPolicy, LadderPolicy, make_signal
+
+
+@dataclass
+class Step:
+    tree: str = "t"
+    accepted_length: int = 1
+    entropy: tuple = (0.0,)
+    top1_prob: tuple = (1.0,)
+
+
+def test_entropy_signal_is_an_ema_over_accepted_tokens():
+    signal = make_signal("entropy", beta=0.9, initial=1.0)
+    assert signal.update(Step(entropy=(2.0, 0.0))) == pytest.approx(0.9 * (0.9 * 1.0 + 0.1 * 2.0))
+    signal.reset()
+    assert signal.value == 1.0
+    top1 = make_signal("top1", beta=0.5, initial=0.0)
+    assert top1.update(Step(top1_prob=(0.2,))) == pytest.approx(0.4)
+    path = make_signal("path", beta=0.0)
+    assert path.update(Step(top1_prob=(0.5, 0.5))) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="unknown signal"):
+        make_signal("vibes")
+
+
+def test_hysteresis_never_flips_on_a_signal_between_the_thresholds():
+    rng = random.Random(0)
+    for start in (False, True):
+        policy = HysteresisPolicy("entmtp-tau", "small", "big", tau_on=1.0, tau_off=2.0,
+                                  signal=make_signal("entropy", beta=0.0, initial=1.5), start_aggressive=start)
+        chosen = set()
+        for _ in range(500):
+            policy.observe(Step(entropy=(rng.uniform(1.0001, 1.9999),)))
+            chosen.add(policy.choose())
+        assert chosen == {"big" if start else "small"}
+
+
+def test_hysteresis_switches_past_each_threshold_and_resets():
+    policy = HysteresisPolicy("entmtp-tau", "small", "big", tau_on=1.0, tau_off=2.0,
+                              signal=make_signal("entropy", beta=0.0, initial=1.5))
+    trail = []
+    for h in [1.5, 0.9, 1.5, 1.9, 2.1, 1.5, 1.0]:
+        policy.observe(Step(entropy=(h,)))
+        trail.append(policy.choose())
+    assert trail == ["small", "big", "big", "big", "small", "small", "big"]
+    policy.reset()
+    assert policy.choose() == "small"
+    with pytest.raises(ValueError, match="tau_on < tau_off"):
+        HysteresisPolicy("x", "a", "b", 2.0, 1.0, make_signal("entropy"))
+
+
+def test_ladder_picks_the_interval_of_the_signal():
+    policy = LadderPolicy("entmtp-ladder", ["big", "mid", "small"], [0.5, 1.5],
+                          make_signal("entropy", beta=0.0, initial=0.0))
+    assert policy.choose() == "big"
+    for h, want in [(0.49, "big"), (0.5, "mid"), (1.49, "mid"), (1.5, "small"), (0.1, "big")]:
+        policy.observe(Step(entropy=(h,)))
+        assert policy.choose() == want, h
+    assert policy.trees() == ["big", "mid", "small"]
+    with pytest.raises(ValueError, match="K-1 ascending"):
+        LadderPolicy("x", ["a", "b"], [2.0, 1.0], make_signal("entropy"))
