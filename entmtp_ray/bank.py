@@ -1,0 +1,133 @@
+"""Topology bank files: the Pareto trees and policy settings measured for one (model, heads, task,
+hardware), as versioned JSON under banks/<model>/<task>.json. Validated on load: what cannot work
+is an error that names the fix; what may merely be slow (another model or machine) is a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, Field, model_validator
+
+from .policy import SIGNALS
+from .tree import make_topology
+
+log = logging.getLogger(__name__)
+BANK_VERSION = 1
+
+
+class BankTree(BaseModel):
+    name: str = Field(..., description="unique within the bank, e.g. gsm8k-n28")
+    paths: list[list[int]] = Field(..., description="child-rank paths (root implicit)")
+    nodes: int = Field(..., ge=1, description="nodes including the root")
+    tau_grown: float | None = Field(None, description="accepted length estimated during growth (joint tree)")
+    tau: float | None = Field(None, description="accepted length re-measured with the tree's own mask")
+    tokens_per_s: float | None = Field(None, description="end-to-end output tokens/s on the bank's hardware")
+
+
+class Hardware(BaseModel):
+    device: str = Field(..., description="cpu, or the GPU's name")
+    threads: int = Field(..., ge=1, description="torch CPU threads")
+    dtype: str = Field(..., description="base model dtype the bank was measured in")
+    machine: str = Field("", description="CPU model / platform, for people reading the file")
+
+    def same_as(self, other: Hardware) -> bool:
+        return (self.device, self.threads, self.dtype) == (other.device, other.threads, other.dtype)
+
+
+class PolicyParams(BaseModel):
+    signal: str = Field("entropy", description="entropy | top1 | path (see policy.SIGNALS)")
+    beta: float = Field(0.9, ge=0, lt=1, description="EMA factor of the signal")
+    initial: float = Field(0.0, description="signal value at the start of a request (calibration mean)")
+    star: str = Field(..., description="entmtp-star: the one task-optimal tree")
+    ladder_trees: list[str] = Field(..., min_length=1, description="entmtp-ladder: trees, most confident first")
+    ladder_thresholds: list[float] = Field(default_factory=list, description="ascending, one fewer than trees")
+    conservative: str = Field(..., description="entmtp-tau: tree while the signal is high")
+    aggressive: str = Field(..., description="entmtp-tau: tree while the signal is low")
+    tau_on: float = Field(..., description="go aggressive once the signal <= tau_on")
+    tau_off: float = Field(..., description="go conservative once the signal >= tau_off")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.signal not in SIGNALS:
+            raise ValueError(f"unknown signal '{self.signal}'; choose one of {sorted(SIGNALS)}")
+        if len(self.ladder_thresholds) != len(self.ladder_trees) - 1 or \
+                self.ladder_thresholds != sorted(self.ladder_thresholds):
+            raise ValueError("ladder_thresholds must be ascending and one fewer than ladder_trees")
+        if not self.tau_on < self.tau_off:
+            raise ValueError(f"tau_on ({self.tau_on}) must be below tau_off ({self.tau_off})")
+        return self
+
+
+class Bank(BaseModel):
+    version: int = Field(BANK_VERSION, description="file format version")
+    model: str
+    heads: str = Field(..., description="heads the acceptance was measured with")
+    task: str
+    hardware: Hardware
+    calibration: dict = Field(..., description="prompts (source, subset, count, seed), tokens per rollout")
+    created: str = Field(..., description="ISO date")
+    trees: list[BankTree] = Field(..., min_length=1, description="the frontier, fewest nodes first")
+    policy: PolicyParams
+
+    @model_validator(mode="after")
+    def _names_resolve(self):
+        names = [t.name for t in self.trees]
+        if len(set(names)) != len(names):
+            raise ValueError("bank tree names must be unique")
+        p = self.policy
+        for used in [p.star, p.conservative, p.aggressive, *p.ladder_trees]:
+            if used not in names:
+                raise ValueError(f"policy uses tree '{used}', which is not in the bank")
+        return self
+
+    def tree(self, name: str) -> BankTree:
+        return next(t for t in self.trees if t.name == name)
+
+
+def current_hardware(device: torch.device | str, dtype: torch.dtype | str) -> Hardware:
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return Hardware(device=name, threads=torch.get_num_threads(), dtype=str(dtype).replace("torch.", ""),
+                    machine=platform.processor() or platform.machine())
+
+
+def save_bank(bank: Bank, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(bank.model_dump_json(indent=1) + "\n")
+    tmp.replace(path)
+
+
+def load_bank(path: str | Path, max_depth: int | None = None, model: str | None = None,
+              hardware: Hardware | None = None) -> Bank:
+    """Read and check a bank. Errors name the fix; a model or hardware mismatch only warns."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"bank {path}: no such file; build one with jobs/build_bank.py or pass --bank")
+    import json
+
+    raw = json.loads(path.read_text())
+    version = raw.get("version") if isinstance(raw, dict) else None
+    if version != BANK_VERSION:
+        raise ValueError(f"bank {path}: format version {version!r} is not {BANK_VERSION}; rebuild it with "
+                         "jobs/build_bank.py (or use the entmtp-ray release that wrote it)")
+    bank = Bank.model_validate(raw)
+    for tree in bank.trees:
+        make_topology(tree.paths, tree.name, max_depth=max_depth)  # depth beyond the heads names the fix
+        if len(tree.paths) + 1 != tree.nodes:
+            raise ValueError(f"bank {path}: tree '{tree.name}' says {tree.nodes} nodes but has "
+                             f"{len(tree.paths) + 1}; rebuild the bank")
+    if model is not None and bank.model != model:
+        log.warning("bank %s was built for model %s, not %s: its trees may be far from optimal; rebuild it "
+                    "with jobs/build_bank.py --model %s", path, bank.model, model, model)
+    if hardware is not None and not bank.hardware.same_as(hardware):
+        log.warning("bank %s was measured on %s (%d threads, %s), this is %s (%d threads, %s): tree "
+                    "throughput differs by hardware; rebuild it here with jobs/build_bank.py", path,
+                    bank.hardware.device, bank.hardware.threads, bank.hardware.dtype, hardware.device,
+                    hardware.threads, hardware.dtype)
+    return bank
