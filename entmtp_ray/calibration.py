@@ -11,16 +11,38 @@ prefix-layer context, the drafter's vocab projection), so the table predicts wha
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from .decoding import HydraDrafter, SpecDecoder
-from .llama import forward_hidden
+from .decoding import HydraDrafter, SpecDecoder, _verifier_stats
+from .llama import forward_hidden, linear
 
 NOT_RANKED = -1  # the true token is not within the ranks a tree could use at that depth
 
 
+@dataclass
+class Rollout:
+    """What a greedy decode of this rollout would see, step position by step position.
+
+    rows[i]: rank row of the step whose root is rollout token i (t = first - 1 + i).
+    entropy[i], top1[i]: the verifier's next-token entropy (nats, T=1) and top-1 probability at
+    rollout token i, i.e. what a step observes at each accepted token.
+    """
+
+    rows: list[list[int]]
+    entropy: list[float]
+    top1: list[float]
+
+
 @torch.inference_mode()
+def measure_rollout(decoder: SpecDecoder, token_ids: Sequence[int], first: int,
+                    max_ranks: Sequence[int]) -> Rollout:
+    rows, hidden = _rank_rows(decoder, token_ids, first, max_ranks)
+    entropy, top1 = _verifier_stats(linear(hidden[first:], decoder.loaded.model.lm_head))
+    return Rollout(rows, entropy, top1)
+
+
 def rank_rows(decoder: SpecDecoder, token_ids: Sequence[int], first: int, max_ranks: Sequence[int]) -> list[list[int]]:
     """Rank rows for the steps of one rollout.
 
@@ -29,6 +51,11 @@ def rank_rows(decoder: SpecDecoder, token_ids: Sequence[int], first: int, max_ra
     token t+2+k among head k's logits when that rank is below max_ranks[k], else NOT_RANKED (also
     past the rollout's end); a row ends at its first NOT_RANKED, as acceptance does.
     """
+    return _rank_rows(decoder, token_ids, first, max_ranks)[0]
+
+
+@torch.inference_mode()
+def _rank_rows(decoder, token_ids, first, max_ranks) -> tuple[list[list[int]], torch.Tensor]:
     drafter = decoder.drafter
     if not isinstance(drafter, HydraDrafter):
         raise ValueError("acceptance tables need a drafter with heads (a policy that drafts)")
@@ -58,4 +85,4 @@ def rank_rows(decoder: SpecDecoder, token_ids: Sequence[int], first: int, max_ra
     for row in ranks.tolist():
         cut = row.index(NOT_RANKED) + 1 if NOT_RANKED in row else len(row)
         out.append(row[:cut])
-    return out
+    return out, hidden

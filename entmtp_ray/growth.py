@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from itertools import combinations
 
 Path_ = tuple[int, ...]
@@ -119,3 +120,65 @@ def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
             keep.append(i)
             best = points[i][1]
     return keep
+
+
+# ---- replaying a policy over measured rollouts -------------------------------------------------
+
+@dataclass
+class ReplayStep:
+    """What a policy sees of one replayed step (the fields of policy.StepView)."""
+
+    tree: str
+    accepted_length: int
+    entropy: list[float]
+    top1_prob: list[float]
+
+
+@dataclass
+class Replay:
+    tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    switches: int = 0
+    usage: Counter = field(default_factory=Counter)
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def accepted_length(row: Sequence[int], paths: frozenset) -> int:
+    """Tokens a greedy step adds when the true path's ranks are `row` and the tree is `paths`."""
+    d = 0
+    while d < len(row) and row[d] >= 0 and tuple(row[: d + 1]) in paths:
+        d += 1
+    return d + 1
+
+
+def replay(rows: Sequence[Sequence[int]], entropy: Sequence[float], top1: Sequence[float], policy,
+           trees: dict[str, frozenset], step_seconds: dict[str, float], into: Replay | None = None) -> Replay:
+    """Greedy decoding of one rollout under `policy`, step by step, without the model.
+
+    At T=0 the output does not depend on the trees, so each step's accepted length is a table
+    lookup (rows[i] for the step whose root is rollout token i) and the signal sees the verifier
+    statistics of the accepted tokens; time is the measured cost of a step with the chosen tree.
+    """
+    out = into or Replay()
+    policy.reset()
+    i, previous, end = 0, None, len(rows)
+    while i + 1 < end:  # rollout token i is the root; the prefill emitted token 0
+        name = policy.choose()
+        a = accepted_length(rows[i], trees[name])
+        policy.observe(ReplayStep(name, min(a, end - 1 - i), list(entropy[i: i + a]), list(top1[i: i + a])))
+        out.steps += 1
+        out.tokens += min(a, end - 1 - i)  # the last step is cut at the rollout's end, as decoding cuts it
+        out.seconds += step_seconds[name]
+        out.usage[name] += 1
+        out.switches += previous is not None and previous != name
+        previous = name
+        i += a
+    return out
