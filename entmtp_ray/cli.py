@@ -16,7 +16,7 @@ from transformers.utils import logging as transformers_logging
 from .config import DecodingConfig, JobConfig, ModelConfig
 from .engine import Engine
 from .loading import EMBEDDED_MODEL
-from .policy import POLICIES
+from .policy import BANK_POLICIES, POLICIES
 from .tasks import LINE_ERROR, read_jsonl
 
 
@@ -32,10 +32,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_decoding_args(p: argparse.ArgumentParser, task_flag: bool = True) -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--policy", default="hydra", help=f"one of {sorted(POLICIES)}")
+    g.add_argument("--policy", default="hydra", help=f"one of {sorted([*POLICIES, *BANK_POLICIES])}")
     g.add_argument("--tree", default=None, help="tree for --policy fixed: built-in name or JSON file of paths")
     if task_flag:
         g.add_argument("--task", default=None, help="task name (picks the topology bank of entmtp policies)")
+    g.add_argument("--bank", default=None, help="bank file for the entmtp policies (default: banks/<model>/<task>.json)")
+    g.add_argument("--signal", default=None, choices=["entropy", "top1", "path"],
+                   help="scheduling signal of the entmtp policies (default: the bank's)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--acceptance", default="greedy", choices=["greedy", "typical"])
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -74,7 +77,8 @@ def job_config_from_args(args) -> JobConfig:
 def configs_from_args(args) -> tuple[ModelConfig, DecodingConfig]:
     model_cfg = ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
                             chat_format=args.chat_format)
-    decoding = DecodingConfig(policy=args.policy, tree=args.tree, temperature=args.temperature,
+    decoding = DecodingConfig(policy=args.policy, tree=args.tree, task=args.task, bank=args.bank, signal=args.signal,
+                              temperature=args.temperature,
                               acceptance=args.acceptance, max_new_tokens=args.max_new_tokens,
                               max_input_tokens=args.max_input_tokens, seed=args.seed)
     return model_cfg, decoding

@@ -23,6 +23,11 @@ class ModelConfig(BaseModel):
 class DecodingConfig(BaseModel):
     policy: str = Field("hydra", description="tree-choosing policy; ar = plain autoregressive decoding")
     tree: str | None = Field(None, description="tree for the `fixed` policy: a built-in name or a JSON file")
+    task: str | None = Field(None, description="task whose topology bank the entmtp policies read "
+                             "(banks/<model>/<task>.json)")
+    bank: str | None = Field(None, description="bank file for the entmtp policies instead of the task's shipped one")
+    signal: Literal["entropy", "top1", "path"] | None = Field(
+        None, description="scheduling signal instead of the bank's default (the bank holds settings per signal)")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output equals plain greedy decoding)")
     acceptance: Literal["greedy", "typical"] = Field(
         "greedy", description="greedy needs T=0; typical (Hydra/Medusa) is fast at T>0 but not "

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
+from .banks import current_hardware, load_bank, resolve_bank_path
 from .config import DecodingConfig, ModelConfig
 from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
-from .loading import UNTRAINED_HEADS, available_depth, load_model, load_model_heads, resolve_heads_path
-from .policy import Policy, make_policy
+from .loading import (
+    UNTRAINED_HEADS,
+    available_depth,
+    load_model,
+    load_model_heads,
+    resolve_heads_path,
+)
+from .policy import BANK_POLICIES, Policy, make_policy
 from .records import error_row, result_row
 from .tree import load_topology, make_topology
 
@@ -23,11 +31,15 @@ WARMUP_PROMPT = "Say hello."
 
 
 def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[Policy, bool]:
-    """Every config check that needs no model: policy, tree files, heads directory and depth.
+    """Every config check that needs no model: policy, bank, tree files, heads directory and depth.
 
     Returns the policy and whether it drafts (needs heads). Raises ValueError/FileNotFoundError naming the fix.
     """
-    policy = make_policy(decoding)
+    bank = None
+    if decoding.policy in BANK_POLICIES:
+        path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
+        bank = load_bank(path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
+    policy = make_policy(decoding, bank)
     topologies = [load_topology(spec) for spec in policy.trees()]
     needs_heads = any(t.depth > 0 for t in topologies)
     if needs_heads:
@@ -51,6 +63,11 @@ class Engine:
             self.heads_label = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
                                 else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
         self.decoder = SpecDecoder(self.loaded, drafter, policy)
+        self.bank_label = None
+        if decoding.policy in BANK_POLICIES:
+            path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
+            self.bank_label = str(path)
+            load_bank(path, hardware=current_hardware(self.loaded.device, self.loaded.dtype))  # warns on a mismatch
         self.actor_id: str | None = None  # set by the Ray actor that owns this engine
 
     def warm_up(self, max_new_tokens: int = 16) -> None:
@@ -83,7 +100,7 @@ class Engine:
     def _context(self, row_id, prompt) -> dict:
         return {"id": row_id, "prompt": prompt if isinstance(prompt, str) or prompt is None else repr(prompt),
                 "model": self.model_cfg.model, "heads": self.heads_label, "decoding": self.decoding,
-                "max_depth": self.decoder.drafter.max_depth, "actor_id": self.actor_id,
+                "max_depth": self.decoder.drafter.max_depth, "actor_id": self.actor_id, "bank": self.bank_label,
                 "started_at": time.time()}
 
     def error_row(self, row_id, prompt, message: str) -> dict:

@@ -7,9 +7,12 @@ picks one tree per step with `choose()`, and sees each finished step through `ob
 from __future__ import annotations
 
 import bisect
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .config import DecodingConfig
+
+if TYPE_CHECKING:
+    from .banks import Bank
 
 
 class StepView(Protocol):
@@ -174,17 +177,43 @@ def _fixed(cfg: DecodingConfig) -> FixedTree:
     return FixedTree("fixed", cfg.tree)
 
 
+def _signal(cfg: DecodingConfig, bank: Bank):
+    name, params = bank.policy.for_signal(cfg.signal)
+    return make_signal(name, bank.policy.beta, params.initial), params
+
+
+def _star(cfg: DecodingConfig, bank: Bank) -> FixedTree:
+    return FixedTree("entmtp-star", bank.topology(bank.policy.star))
+
+
+def _ladder(cfg: DecodingConfig, bank: Bank) -> LadderPolicy:
+    signal, p = _signal(cfg, bank)
+    return LadderPolicy("entmtp-ladder", [bank.topology(t) for t in p.ladder_trees], p.ladder_thresholds, signal)
+
+
+def _hysteresis(cfg: DecodingConfig, bank: Bank) -> HysteresisPolicy:
+    signal, p = _signal(cfg, bank)
+    return HysteresisPolicy("entmtp-tau", bank.topology(p.conservative), bank.topology(p.aggressive), p.tau_on,
+                            p.tau_off, signal)
+
+
 POLICIES = {
     "ar": lambda cfg: FixedTree("ar", "ar"),
     "hydra": lambda cfg: FixedTree("hydra", "hydra"),
     "medusa": lambda cfg: FixedTree("medusa", "medusa"),
     "fixed": _fixed,
 }
+BANK_POLICIES = {"entmtp-star": _star, "entmtp-ladder": _ladder, "entmtp-tau": _hysteresis}
 
 
-def make_policy(cfg: DecodingConfig) -> Policy:
-    if cfg.policy not in POLICIES:
-        raise ValueError(f"unknown policy '{cfg.policy}'; choose one of {sorted(POLICIES)}")
+def make_policy(cfg: DecodingConfig, bank: Bank | None = None) -> Policy:
+    """The policy named by cfg.policy; the entmtp ones take their trees and thresholds from `bank`."""
+    if cfg.policy not in POLICIES and cfg.policy not in BANK_POLICIES:
+        raise ValueError(f"unknown policy '{cfg.policy}'; choose one of {sorted([*POLICIES, *BANK_POLICIES])}")
     if cfg.tree and cfg.policy != "fixed":
         raise ValueError(f"--tree applies to --policy fixed only (got --policy {cfg.policy})")
+    if cfg.policy in BANK_POLICIES:
+        if bank is None:
+            raise ValueError(f"--policy {cfg.policy} needs a topology bank (--task or --bank)")
+        return BANK_POLICIES[cfg.policy](cfg, bank)
     return POLICIES[cfg.policy](cfg)

@@ -89,11 +89,14 @@ def chain_topology(depth: int) -> Topology:
     return make_topology([(0,) * d for d in range(1, depth + 1)], name=f"chain{depth}" if depth else "ar")
 
 
-def load_topology(spec: str, max_depth: int | None = None) -> Topology:
-    """A built-in tree by name (`hydra`, `medusa`, `ar`, `chainN`) or a JSON file.
+def load_topology(spec: str | Topology, max_depth: int | None = None) -> Topology:
+    """A built-in tree by name (`hydra`, `medusa`, `ar`, `chainN`), a JSON file, or a Topology
+    (e.g. a bank's tree), checked against `max_depth`.
 
     A JSON file holds either a list of paths or an object with a "paths" list (and optional "name").
     """
+    if isinstance(spec, Topology):
+        return make_topology(spec.paths, spec.name, max_depth)
     if spec == "ar":
         return chain_topology(0)
     if spec.startswith("chain") and spec[5:].isdigit():

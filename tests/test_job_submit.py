@@ -41,7 +41,7 @@ def test_ray_job_submit_humaneval(tmp_path):
     try:
         submit = subprocess.run(
             [ray, "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT), "--",
-             "python", "jobs/generate.py", "--task", "humaneval", "--limit", "4", "--heads", "untrained",
+             "python", "jobs/generate.py", "--task", "humaneval", "--limit", "4",
              "--max-new-tokens", "16", "--address", "auto", "--output", str(output)],
             capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
         assert submit.returncode == 0, (submit.stdout + submit.stderr)[-4000:]

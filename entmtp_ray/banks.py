@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field, model_validator
 
+from .loading import PROJECT_ROOT
 from .policy import SIGNALS
-from .tree import make_topology
+from .tree import Topology, make_topology
 
 log = logging.getLogger(__name__)
 BANK_VERSION = 1
@@ -38,11 +39,10 @@ class Hardware(BaseModel):
         return (self.device, self.threads, self.dtype) == (other.device, other.threads, other.dtype)
 
 
-class PolicyParams(BaseModel):
-    signal: str = Field("entropy", description="entropy | top1 | path (see policy.SIGNALS)")
-    beta: float = Field(0.9, ge=0, lt=1, description="EMA factor of the signal")
+class SignalParams(BaseModel):
+    """The switching policies' settings for one signal (thresholds are in that signal's units)."""
+
     initial: float = Field(0.0, description="signal value at the start of a request (calibration mean)")
-    star: str = Field(..., description="entmtp-star: the one task-optimal tree")
     ladder_trees: list[str] = Field(..., min_length=1, description="entmtp-ladder: trees, most confident first")
     ladder_thresholds: list[float] = Field(default_factory=list, description="ascending, one fewer than trees")
     conservative: str = Field(..., description="entmtp-tau: tree while the signal is high")
@@ -52,14 +52,35 @@ class PolicyParams(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.signal not in SIGNALS:
-            raise ValueError(f"unknown signal '{self.signal}'; choose one of {sorted(SIGNALS)}")
         if len(self.ladder_thresholds) != len(self.ladder_trees) - 1 or \
                 self.ladder_thresholds != sorted(self.ladder_thresholds):
             raise ValueError("ladder_thresholds must be ascending and one fewer than ladder_trees")
         if not self.tau_on < self.tau_off:
             raise ValueError(f"tau_on ({self.tau_on}) must be below tau_off ({self.tau_off})")
         return self
+
+
+class PolicyParams(BaseModel):
+    star: str = Field(..., description="entmtp-star: the one task-optimal tree")
+    signal: str = Field("entropy", description="the signal used unless --signal picks another of `signals`")
+    beta: float = Field(0.9, ge=0, lt=1, description="EMA factor of every signal")
+    signals: dict[str, SignalParams] = Field(..., min_length=1, description="settings tuned per signal")
+
+    @model_validator(mode="after")
+    def _known(self):
+        unknown = sorted(set(self.signals) - set(SIGNALS))
+        if unknown:
+            raise ValueError(f"unknown signal(s) {unknown}; choose from {sorted(SIGNALS)}")
+        if self.signal not in self.signals:
+            raise ValueError(f"default signal '{self.signal}' has no settings in the bank")
+        return self
+
+    def for_signal(self, name: str | None) -> tuple[str, SignalParams]:
+        name = name or self.signal
+        if name not in self.signals:
+            raise ValueError(f"this bank has no settings for signal '{name}' (it has {sorted(self.signals)}); "
+                             "drop --signal or rebuild the bank with it")
+        return name, self.signals[name]
 
 
 class Bank(BaseModel):
@@ -79,13 +100,31 @@ class Bank(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError("bank tree names must be unique")
         p = self.policy
-        for used in [p.star, p.conservative, p.aggressive, *p.ladder_trees]:
+        used_trees = [p.star] + [t for q in p.signals.values() for t in (q.conservative, q.aggressive, *q.ladder_trees)]
+        for used in used_trees:
             if used not in names:
                 raise ValueError(f"policy uses tree '{used}', which is not in the bank")
         return self
 
     def tree(self, name: str) -> BankTree:
         return next(t for t in self.trees if t.name == name)
+
+    def topology(self, name: str) -> Topology:
+        return make_topology(self.tree(name).paths, name)
+
+
+def default_bank_path(model_name: str, task: str) -> Path:
+    """Where the bank for a model and task ships: banks/<model>/<task>.json."""
+    return PROJECT_ROOT / "banks" / Path(model_name).name / f"{task}.json"
+
+
+def resolve_bank_path(model_name: str, task: str | None, bank: str | None) -> Path:
+    if bank:
+        return Path(bank)
+    if not task:
+        raise ValueError("the entmtp policies read a topology bank: pass --task NAME (uses "
+                         "banks/<model>/<task>.json) or --bank FILE")
+    return default_bank_path(model_name, task)
 
 
 def current_hardware(device: torch.device | str, dtype: torch.dtype | str) -> Hardware:

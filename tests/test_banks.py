@@ -1,0 +1,122 @@
+"""Bank files: JSON round trip and every check made on load."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from pydantic import ValidationError
+
+from entmtp_ray.banks import Bank, BankTree, Hardware, PolicyParams, SignalParams, load_bank, save_bank
+
+
+def make_bank(**overrides) -> Bank:
+    trees = [BankTree(name="n1", paths=[], nodes=1, tau=1.0, tokens_per_s=30.0),
+             BankTree(name="n3", paths=[[0], [1]], nodes=3, tau_grown=1.6, tau=1.5, tokens_per_s=40.0),
+             BankTree(name="n5", paths=[[0], [1], [0, 0], [0, 0, 0]], nodes=5, tau=2.0, tokens_per_s=42.0)]
+    fields = dict(model="smollm2-135m-instruct", heads="heads/smollm2-135m-instruct", task="gsm8k",
+                  hardware=Hardware(device="cpu", threads=2, dtype="float32", machine="x86_64"),
+                  calibration={"source": "gsm8k train", "subset": "tune", "prompts": 100, "seed": 123},
+                  created="2026-11-29", trees=trees,
+                  policy=PolicyParams(star="n3", signals={
+                      "entropy": SignalParams(initial=0.8, ladder_trees=["n5", "n3", "n1"], ladder_thresholds=[0.5, 1.5],
+                                              conservative="n3", aggressive="n5", tau_on=0.6, tau_off=1.2),
+                      "top1": SignalParams(initial=0.2, ladder_trees=["n5", "n1"], ladder_thresholds=[0.3],
+                                           conservative="n1", aggressive="n5", tau_on=0.1, tau_off=0.3)}))
+    fields.update(overrides)
+    return Bank(**fields)
+
+
+def test_bank_round_trips_through_json(tmp_path):
+    bank = make_bank()
+    save_bank(bank, tmp_path / "b.json")
+    assert load_bank(tmp_path / "b.json", max_depth=4) == bank
+    assert bank.tree("n5").nodes == 5
+
+
+def test_unknown_version_and_deep_trees_name_the_fix(tmp_path):
+    path = tmp_path / "b.json"
+    raw = json.loads(make_bank().model_dump_json())
+    path.write_text(json.dumps({**raw, "version": 99}))
+    with pytest.raises(ValueError, match="format version 99 is not 1; rebuild it with jobs/build_bank.py"):
+        load_bank(path)
+    save_bank(make_bank(), path)
+    with pytest.raises(ValueError, match="depth 3 but the heads draft at most 2"):
+        load_bank(path, max_depth=2)
+    with pytest.raises(FileNotFoundError, match="build one with jobs/build_bank.py"):
+        load_bank(tmp_path / "missing.json")
+
+
+def test_model_or_hardware_mismatch_warns_to_rebuild(tmp_path, caplog):
+    path = tmp_path / "b.json"
+    save_bank(make_bank(), path)
+    with caplog.at_level(logging.WARNING):
+        load_bank(path, model="vicuna-7b", hardware=Hardware(device="NVIDIA A100", threads=8, dtype="float16"))
+    text = caplog.text
+    assert "built for model smollm2-135m-instruct, not vicuna-7b" in text and "rebuild" in text
+    assert "measured on cpu (2 threads, float32)" in text
+
+
+def test_policy_must_use_trees_of_the_bank():
+    ok = SignalParams(ladder_trees=["n1"], conservative="n1", aggressive="n3", tau_on=0.1, tau_off=0.2)
+    with pytest.raises(ValidationError, match="policy uses tree 'n9'"):
+        make_bank(policy=PolicyParams(star="n9", signals={"entropy": ok}))
+    with pytest.raises(ValidationError, match="tau_on"):
+        SignalParams(ladder_trees=["a"], conservative="a", aggressive="a", tau_on=1.0, tau_off=1.0)
+    with pytest.raises(ValidationError, match="default signal 'entropy' has no settings"):
+        PolicyParams(star="n1", signals={"top1": ok})
+    with pytest.raises(ValidationError, match="unknown signal"):
+        PolicyParams(star="n1", signals={"entropy": ok, "vibes": ok})
+
+
+def test_bank_policies_by_name_and_signal_flag():
+    from entmtp_ray.config import DecodingConfig
+    from entmtp_ray.policy import make_policy
+
+    bank = make_bank()
+    star = make_policy(DecodingConfig(policy="entmtp-star"), bank)
+    assert star.choose().name == "n3"
+    ladder = make_policy(DecodingConfig(policy="entmtp-ladder"), bank)
+    assert [t.name for t in ladder.trees()] == ["n5", "n3", "n1"] and ladder.thresholds == [0.5, 1.5]
+    tau = make_policy(DecodingConfig(policy="entmtp-tau", signal="top1"), bank)
+    assert (tau.conservative.name, tau.aggressive.name, tau.tau_on, tau.signal.value) == ("n1", "n5", 0.1, 0.2)
+    with pytest.raises(ValueError, match="no settings for signal 'path'"):
+        make_policy(DecodingConfig(policy="entmtp-tau", signal="path"), bank)
+    with pytest.raises(ValueError, match="needs a topology bank"):
+        make_policy(DecodingConfig(policy="entmtp-tau"))
+
+
+@pytest.mark.parametrize("policy", ["entmtp-star", "entmtp-ladder", "entmtp-tau"])
+def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path, policy):
+    from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.engine import Engine
+
+    model_dir, heads_dir = tiny_model_dirs
+    model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
+    reference = Engine(model_cfg, DecodingConfig(policy="ar", max_new_tokens=40)).generate("r", "Write a poem.")
+    seen = sorted(h for step in reference.steps for h in step.entropy)
+    q = [seen[int(f * (len(seen) - 1))] for f in (0.3, 0.4, 0.5, 0.6, 0.7)]
+    bank = make_bank(model="tiny-vicuna")
+    # the raw signal (beta 0) with thresholds inside its range, so the switching policies do switch
+    bank.policy.beta = 0.0
+    bank.policy.signals["entropy"] = SignalParams(initial=q[2], ladder_trees=["n5", "n3", "n1"],
+                                                  ladder_thresholds=[q[0], q[4]], conservative="n1",
+                                                  aggressive="n5", tau_on=q[1], tau_off=q[3])
+    path = tmp_path / "bank.json"
+    save_bank(bank, path)
+    row = Engine(model_cfg, DecodingConfig(policy=policy, bank=str(path), max_new_tokens=40)).run("r", "Write a poem.")
+    assert row["error"] is None and row["bank"] == str(path) and row["policy"] == policy
+    assert row["output_token_ids"] == reference.output_token_ids
+    used = set(row["tree_usage"])
+    assert used <= {"n1", "n3", "n5"} and (policy == "entmtp-star" or len(used) > 1), row["tree_usage"]
+
+
+def test_bank_policy_without_task_or_bank_fails_before_loading():
+    from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.engine import preflight
+
+    with pytest.raises(ValueError, match="pass --task NAME"):
+        preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau"))
+    with pytest.raises(FileNotFoundError, match="build one with jobs/build_bank.py"):
+        preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau", task="nosuchtask"))
