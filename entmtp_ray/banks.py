@@ -170,3 +170,96 @@ def load_bank(path: str | Path, max_depth: int | None = None, model: str | None 
                     bank.hardware.device, bank.hardware.threads, bank.hardware.dtype, hardware.device,
                     hardware.threads, hardware.dtype)
     return bank
+
+
+# ---- building a bank from measured rollouts ------------------------------------------------------
+# The measuring (rollouts on Ray actors, rank tables, step timings) lives in jobs/build_bank.py;
+# everything below is deterministic arithmetic over what it measured.
+
+CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def candidate_trees(grown: list[tuple], budget: int, task: str) -> dict[str, frozenset]:
+    """The root-only tree and the grown trees at CANDIDATE_SIZES up to `budget`, named <task>-n<nodes>."""
+    out = {f"{task}-n1": frozenset()}
+    for paths in grown:
+        nodes = len(paths) + 1
+        if nodes in CANDIDATE_SIZES and nodes <= budget:
+            out[f"{task}-n{nodes}"] = frozenset(paths)
+    return out
+
+
+def replay_all(rollouts, policy, trees: dict[str, frozenset], step_seconds: dict[str, float],
+               prefill_seconds: float = 0.0):
+    """A policy replayed over every calibration rollout, pooled (see growth.replay)."""
+    from .growth import Replay, replay
+
+    total = Replay()
+    for r in rollouts:
+        replay(r.rows, r.entropy, r.top1, policy, trees, step_seconds, into=total)
+    total.seconds += prefill_seconds
+    return total
+
+
+def signal_quantiles(rollouts, name: str, beta: float) -> list[float]:
+    """Quantiles of the EMA signal as a fixed policy would see it over the calibration rollouts."""
+    from .growth import ReplayStep
+    from .policy import make_signal
+
+    signal, values = make_signal(name, beta, 0.0), []
+    for r in rollouts:
+        signal.reset()
+        for i in range(len(r.rows)):
+            values.append(signal.update(ReplayStep("", 1, [r.entropy[i]], [r.top1[i]])))
+    values.sort()
+    return [values[int(q * (len(values) - 1))] for q in QUANTILES]
+
+
+def choose_policies(rollouts, trees: dict[str, frozenset], step_seconds: dict[str, float], prefill_seconds: float,
+                    frontier: list[str], beta: float = 0.9, top: int = 6) -> tuple[PolicyParams, dict]:
+    """Sweep the star tree, the ladder and the hysteresis pair per signal on the calibration
+    rollouts; the highest replayed tokens/s wins each. Returns the settings and the sweep's figures."""
+    from itertools import combinations
+
+    from .policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
+
+    def rate(policy) -> float:
+        return replay_all(rollouts, policy, trees, step_seconds, prefill_seconds).tokens_per_s
+
+    fixed = {name: rate(FixedTree(name, name)) for name in frontier}
+    star = max(frontier, key=lambda n: (fixed[n], -len(trees[n])))
+    best_trees = sorted(frontier, key=lambda n: -fixed[n])[:top]
+    by_size = sorted(best_trees, key=lambda n: -len(trees[n]))  # most aggressive first
+    figures = {"fixed_tokens_per_s": fixed, "signals": {}}
+    signals = {}
+    for name in ("entropy", "top1", "path"):
+        qs = signal_quantiles(rollouts, name, beta)
+        initial = qs[len(qs) // 2]
+        # hysteresis: (conservative, aggressive) with the aggressive tree at least as large; the
+        # pair (star, star) is the static tree, so the sweep never does worse than entmtp-star
+        best_tau = (fixed[star], (star, star, qs[0], qs[-1]))
+        for small, big in [(a, b) for a in by_size for b in by_size if len(trees[b]) > len(trees[a])]:
+            for on, off in combinations(qs, 2):
+                if on >= off:
+                    continue
+                r = rate(HysteresisPolicy("t", small, big, on, off, make_signal(name, beta, initial)))
+                if r > best_tau[0]:
+                    best_tau = (r, (small, big, on, off))
+        # ladder: three trees, most confident (largest) first, two thresholds
+        best_ladder = (fixed[star], ([star], []))
+        for triple in combinations(by_size, 3):
+            for low, high in combinations(qs, 2):
+                if low >= high:
+                    continue
+                r = rate(LadderPolicy("l", list(triple), [low, high], make_signal(name, beta, initial)))
+                if r > best_ladder[0]:
+                    best_ladder = (r, (list(triple), [low, high]))
+        small, big, on, off = best_tau[1]
+        signals[name] = SignalParams(initial=initial, ladder_trees=best_ladder[1][0],
+                                     ladder_thresholds=best_ladder[1][1], conservative=small, aggressive=big,
+                                     tau_on=on, tau_off=off)
+        figures["signals"][name] = {"quantiles": qs, "tau_tokens_per_s": best_tau[0],
+                                    "ladder_tokens_per_s": best_ladder[0]}
+    default = max(signals, key=lambda n: figures["signals"][n]["tau_tokens_per_s"])
+    return PolicyParams(star=star, signal=default, beta=beta, signals=signals), figures

@@ -78,3 +78,41 @@ def test_pareto_frontier_keeps_exactly_the_undominated_points():
             assert not dominated(i)
         else:
             assert dominated(i) or any(points[j] == points[i] for j in keep)
+
+
+def regime_rollouts(n: int, seed: int):
+    """Rollouts alternating confident stretches (low entropy; the true token is always the top
+    draft) and uncertain ones (high entropy; nothing is accepted)."""
+    from entmtp_ray.calibration import Rollout
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        rows, entropy = [], []
+        while len(rows) < 120:
+            confident = rng.random() < 0.5
+            for _ in range(rng.randint(10, 30)):
+                rows.append([0, 0, 0] if confident else [-1])
+                entropy.append(rng.uniform(0.0, 0.3) if confident else rng.uniform(2.0, 3.0))
+        out.append(Rollout(rows=rows, entropy=entropy, top1=[1 - e / 4 for e in entropy]))
+    return out
+
+
+def test_policy_sweep_finds_a_switching_policy_that_beats_the_static_tree():
+    from entmtp_ray.banks import choose_policies, replay_all
+    from entmtp_ray.policy import FixedTree, HysteresisPolicy, make_signal
+
+    rollouts = regime_rollouts(20, 0)
+    trees = {"n1": frozenset(), "n4": frozenset({(0,), (0, 0), (0, 0, 0)})}
+    cost = {"n1": 1.0, "n4": 2.5}  # the deep chain pays off only where it is accepted
+    params, figures = choose_policies(rollouts, trees, cost, 0.0, ["n1", "n4"], beta=0.5)
+    fixed = figures["fixed_tokens_per_s"]
+    assert params.star == max(fixed, key=fixed.get)
+    entropy = params.signals["entropy"]
+    assert (entropy.conservative, entropy.aggressive) == ("n1", "n4")
+    tau = HysteresisPolicy("t", entropy.conservative, entropy.aggressive, entropy.tau_on, entropy.tau_off,
+                           make_signal("entropy", 0.5, entropy.initial))
+    switching = replay_all(rollouts, tau, trees, cost).tokens_per_s
+    static = replay_all(rollouts, FixedTree("s", params.star), trees, cost).tokens_per_s
+    assert switching > 1.1 * static  # an oracle would get about 1.3x here
+    assert figures["signals"]["entropy"]["tau_tokens_per_s"] == pytest.approx(switching)

@@ -1,0 +1,161 @@
+"""Build a topology bank for one (model, heads, task) on the hardware at hand.
+
+    python jobs/build_bank.py --task gsm8k --dataset ../shared/data/gsm8k/train.jsonl \\
+        --out banks/smollm2-135m-instruct/gsm8k.json --work runs/bank-gsm8k
+
+1. Self-rollouts of the task's calibration prompts (its `tune` subset, --prompts sampled with
+   --seed) on a Ray actor pool, through the same actor code as jobs/generate.py; greedy output
+   does not depend on the tree, so they decode with Hydra's tree to go faster.
+2. One teacher-forced pass per rollout ranks every true next token under the head that would draft
+   it (calibration.measure_rollout).
+3. Greedy tree growth (Algorithm 1) to --budget nodes; candidates at a ladder of sizes.
+4. Each candidate's step time measured here, with the actor's thread count; its tokens/s and
+   accepted length are the exact greedy replay of the calibration rollouts with its own tree.
+5. Pareto frontier over (nodes, accepted length), then the sweeps that choose entmtp-star, the
+   ladder and the hysteresis pair per signal. Every stage is saved under --work and resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pyarrow.dataset as pads  # noqa: E402
+import torch  # noqa: E402
+
+from entmtp_ray.banks import (Bank, BankTree, candidate_trees, choose_policies, current_hardware,  # noqa: E402
+                              replay_all, save_bank)
+from entmtp_ray.calibration import Rollout, measure_rollout  # noqa: E402
+from entmtp_ray.cli import add_model_args, quiet_logging  # noqa: E402
+from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig  # noqa: E402
+from entmtp_ray.decoding import SpecDecoder, row_generator  # noqa: E402
+from entmtp_ray.engine import Engine  # noqa: E402
+from entmtp_ray.growth import AcceptanceTable, grow_trees, pareto_frontier  # noqa: E402
+from entmtp_ray.policy import FixedTree  # noqa: E402
+from entmtp_ray.tasks import TASKS, load_prompts  # noqa: E402
+from entmtp_ray.tree import make_topology  # noqa: E402
+
+MAX_RANKS = (16, 8, 8, 8, 8)  # ranks kept per depth; a tree never needs more children than these
+
+
+def rollouts(args, model_cfg: ModelConfig, table, work: Path) -> Path:
+    from entmtp_ray.ray_stage import check_output, run_pipeline
+
+    out = work / "rollouts"
+    check_output(str(out), resume=True)
+    job = JobConfig(task=args.task, dataset=args.dataset, output=str(out), resume=True,
+                    min_actors=1, max_actors=args.max_actors, cpus_per_actor=args.threads, address=args.address)
+    decoding = DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens)
+    summary = run_pipeline(table, job, model_cfg, decoding)
+    print(f"rollouts: {json.dumps(summary)}", file=sys.stderr)
+    return out
+
+
+def measure_tables(engine: Engine, rollout_dir: Path, work: Path) -> list[Rollout]:
+    cache = work / "tables.json"
+    if cache.is_file():
+        return [Rollout(**r) for r in json.loads(cache.read_text())]
+    rows = pads.dataset(rollout_dir, format="parquet").to_table(
+        columns=["id", "prompt", "output_token_ids", "error"]).to_pylist()
+    measured = []
+    for row in sorted(rows, key=lambda r: r["id"]):
+        if row["error"] or not row["output_token_ids"]:
+            continue
+        ids = engine.encode(row["prompt"])
+        measured.append(measure_rollout(engine.decoder, ids + row["output_token_ids"], len(ids), MAX_RANKS))
+    cache.write_text(json.dumps([r.__dict__ for r in measured]))
+    return measured
+
+
+def step_seconds(engine: Engine, trees: dict[str, frozenset], prompts: list[str], new_tokens: int,
+                 work: Path) -> tuple[dict[str, float], float]:
+    """Seconds per decoding step of each tree (median over prompts), and mean prefill seconds."""
+    cache = work / "step_seconds.json"
+    saved = json.loads(cache.read_text()) if cache.is_file() else {"steps": {}, "prefill": []}
+    cfg = DecodingConfig(policy="fixed", tree="ar", max_new_tokens=new_tokens)
+    for name, paths in trees.items():
+        if name in saved["steps"]:
+            continue
+        topology = make_topology(sorted(paths, key=lambda p: (len(p), p)), name)
+        decoder = SpecDecoder(engine.loaded, engine.decoder.drafter, FixedTree(name, topology))
+        decoder.generate(engine.encode(prompts[0]), cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
+        per_prompt = []
+        for k, prompt in enumerate(prompts):
+            result = decoder.generate(engine.encode(prompt), cfg, row_generator(0, str(k), engine.loaded.device))
+            per_prompt.append(result.decode_s / max(1, len(result.steps)))
+            saved["prefill"].append(result.prefill_s)
+        saved["steps"][name] = sorted(per_prompt)[len(per_prompt) // 2]
+        cache.write_text(json.dumps(saved))
+        print(f"  {name}: {1000 * saved['steps'][name]:.1f} ms/step", file=sys.stderr)
+    return saved["steps"], sum(saved["prefill"]) / len(saved["prefill"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", required=True, choices=sorted(TASKS))
+    p.add_argument("--dataset", default=None, help="local copy of the task's data (GSM8K)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--prompts", type=int, default=100, help="calibration prompts (tune subset)")
+    p.add_argument("--seed", type=int, default=123)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=64, help="node budget of the grown trees")
+    p.add_argument("--timing-prompts", type=int, default=3, help="prompts each tree's step time is measured on")
+    p.add_argument("--out", required=True, help="bank JSON to write")
+    p.add_argument("--work", required=True, help="directory for the resumable intermediate results")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per actor (as jobs/generate.py "
+                   "--cpus-per-actor); the bank's step times are measured with the same")
+    p.add_argument("--max-actors", type=int, default=1)
+    p.add_argument("--address", default=None)
+    add_model_args(p)
+    args = p.parse_args(argv)
+    quiet_logging()
+    started = time.time()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model_cfg = ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
+                            chat_format=args.chat_format)
+    table = load_prompts(args.task, args.dataset, split=args.split, limit=args.prompts, seed=args.seed, subset="tune")
+    rollout_dir = rollouts(args, model_cfg, table, work)
+
+    torch.set_num_threads(args.threads)
+    engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens))
+    measured = measure_tables(engine, rollout_dir, work)
+    depth = engine.decoder.drafter.max_depth
+    table_ = AcceptanceTable((row for r in measured for row in r.rows), max_depth=depth)
+    grown = grow_trees(table_, args.budget, max_depth=depth)
+    trees = candidate_trees(grown, args.budget, args.task)
+    prompts = table.column("prompt").to_pylist()[: args.timing_prompts]
+    seconds, prefill = step_seconds(engine, trees, prompts, min(64, args.max_new_tokens), work)
+
+    stats = {}
+    for name, paths in trees.items():
+        r = replay_all(measured, FixedTree(name, name), trees, seconds, prefill * len(measured))
+        stats[name] = {"tau": r.tau, "tokens_per_s": r.tokens_per_s, "tau_grown": table_.accepted_length(paths)}
+    names = list(trees)
+    frontier = [names[i] for i in pareto_frontier([(len(trees[n]) + 1, stats[n]["tau"]) for n in names])]
+    policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier)
+    bank = Bank(
+        model=Path(args.model).name, heads=str(engine.heads_label), task=args.task,
+        hardware=current_hardware(engine.loaded.device, engine.loaded.dtype),
+        calibration={"source": args.dataset or args.task, "subset": "tune", "prompts": len(measured),
+                     "seed": args.seed, "max_new_tokens": args.max_new_tokens, "positions": table_.rows},
+        created=datetime.date.today().isoformat(),
+        trees=[BankTree(name=n, paths=[list(p) for p in sorted(trees[n], key=lambda p: (len(p), p))],
+                        nodes=len(trees[n]) + 1, tau_grown=stats[n]["tau_grown"], tau=stats[n]["tau"],
+                        tokens_per_s=stats[n]["tokens_per_s"]) for n in frontier],
+        policy=policy)
+    save_bank(bank, args.out)
+    (work / "sweep.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps({"bank": args.out, "frontier": {n: stats[n] for n in frontier},
+                      "star": policy.star, "signal": policy.signal, "seconds": time.time() - started}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
