@@ -24,8 +24,7 @@ DEMO_OUT := runs/demo-humaneval
 
 demo: $(STAMP)
 	rm -rf $(DEMO_OUT)
-	# untrained heads until trained ones ship (issue 4): output is exact, speedup small
-	$(PY) jobs/generate.py --task humaneval --limit 8 --heads untrained --max-new-tokens 64 \
+	$(PY) jobs/generate.py --task humaneval --limit 8 --max-new-tokens 64 \
 		--max-actors 2 --output $(DEMO_OUT)
 	$(PY) jobs/show.py $(DEMO_OUT)
 
