@@ -78,9 +78,11 @@ def _rank_rows(decoder, token_ids, first, max_ranks) -> tuple[list[list[int]], t
             break
         rows = torch.cat([context[t]] + [embeds[t + 1 + j] for j in range(k + 1)], dim=-1)  # [m_k, (k+2)H]
         logits = heads.project(k, heads.head_hidden(k, rows).to(drafter.lm_head.weight.dtype), drafter.lm_head)
-        true = logits.gather(-1, ids[t + 2 + k][:, None])  # [m_k, 1]
-        rank = (logits > true).sum(-1)  # [m_k]
-        ranks[: t.numel(), k] = torch.where(rank < max_ranks[k], rank, NOT_RANKED)
+        # rank as drafting ranks: the position in topk's order, which also settles ties the way the
+        # drafter does (bf16 logits tie often)
+        top = logits.topk(max_ranks[k], dim=-1).indices  # [m_k, max_rank]
+        hit = top == ids[t + 2 + k][:, None]  # [m_k, max_rank]
+        ranks[: t.numel(), k] = torch.where(hit.any(-1), hit.int().argmax(-1), NOT_RANKED)
     out = []
     for row in ranks.tolist():
         cut = row.index(NOT_RANKED) + 1 if NOT_RANKED in row else len(row)
