@@ -95,6 +95,12 @@ def init_ray(job: JobConfig) -> None:
     ray.init(num_cpus=max(8, int(actors_cpus) + 4), include_dashboard=False)
 
 
+def shutdown() -> None:
+    """Disconnect from Ray (stopping a local one), so no late driver log follows the summary line."""
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def run_pipeline(table: pa.Table, job: JobConfig, model_cfg: ModelConfig, decoding: DecodingConfig,
                  started: float | None = None) -> dict:
     """Generate for every row of `table` not yet in job.output; returns the run summary.

@@ -21,7 +21,7 @@ from pydantic import ValidationError  # noqa: E402
 from entmtp_ray.cli import (add_decoding_args, add_job_args, add_model_args, configs_from_args,  # noqa: E402
                             job_config_from_args, quiet_logging)
 from entmtp_ray.engine import preflight  # noqa: E402
-from entmtp_ray.ray_stage import check_output, run_pipeline  # noqa: E402
+from entmtp_ray.ray_stage import check_output, run_pipeline, shutdown  # noqa: E402
 from entmtp_ray.tasks import load_prompts  # noqa: E402
 
 
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     summary = run_pipeline(table, job, model_cfg, decoding, started)
+    shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
     print(json.dumps(summary), flush=True)
     return 0
 

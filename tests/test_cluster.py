@@ -184,6 +184,7 @@ def test_gpu_nodes_scale_up_for_the_job_and_down_when_idle(fake_cluster, tiny_mo
         done.set()
         watcher.join()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith('{"rows"'), "the summary must be the last line"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["rows"] == 6 and summary["errors"] == 0 and summary["duplicates"] == 0
     rows = pads.dataset(str(tmp_path / "out"), format="parquet").to_table().to_pylist()
