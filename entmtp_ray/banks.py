@@ -142,6 +142,14 @@ def save_bank(bank: Bank, path: str | Path) -> None:
     tmp.replace(path)
 
 
+def warn_if_other_hardware(bank: Bank, hardware: Hardware, path: str | Path) -> None:
+    if not bank.hardware.same_as(hardware):
+        log.warning("bank %s was measured on %s (%d threads, %s), this is %s (%d threads, %s): tree "
+                    "throughput differs by hardware; rebuild it here with jobs/build_bank.py", path,
+                    bank.hardware.device, bank.hardware.threads, bank.hardware.dtype, hardware.device,
+                    hardware.threads, hardware.dtype)
+
+
 def load_bank(path: str | Path, max_depth: int | None = None, model: str | None = None,
               hardware: Hardware | None = None) -> Bank:
     """Read and check a bank. Errors name the fix; a model or hardware mismatch only warns."""
@@ -164,11 +172,8 @@ def load_bank(path: str | Path, max_depth: int | None = None, model: str | None 
     if model is not None and bank.model != model:
         log.warning("bank %s was built for model %s, not %s: its trees may be far from optimal; rebuild it "
                     "with jobs/build_bank.py --model %s", path, bank.model, model, model)
-    if hardware is not None and not bank.hardware.same_as(hardware):
-        log.warning("bank %s was measured on %s (%d threads, %s), this is %s (%d threads, %s): tree "
-                    "throughput differs by hardware; rebuild it here with jobs/build_bank.py", path,
-                    bank.hardware.device, bank.hardware.threads, bank.hardware.dtype, hardware.device,
-                    hardware.threads, hardware.dtype)
+    if hardware is not None:
+        warn_if_other_hardware(bank, hardware, path)
     return bank
 
 

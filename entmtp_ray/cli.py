@@ -74,9 +74,13 @@ def job_config_from_args(args) -> JobConfig:
                      gpus_per_actor=args.gpus_per_actor, address=args.address)
 
 
+def model_config_from_args(args) -> ModelConfig:
+    return ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
+                       chat_format=args.chat_format)
+
+
 def configs_from_args(args) -> tuple[ModelConfig, DecodingConfig]:
-    model_cfg = ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
-                            chat_format=args.chat_format)
+    model_cfg = model_config_from_args(args)
     decoding = DecodingConfig(policy=args.policy, tree=args.tree, task=args.task, bank=args.bank, signal=args.signal,
                               temperature=args.temperature,
                               acceptance=args.acceptance, max_new_tokens=args.max_new_tokens,
@@ -117,9 +121,7 @@ def cmd_eval_heads(args) -> int:
         print(f"error: unknown task(s) {unknown}; choose from {sorted(TASKS)}", file=sys.stderr)
         return 2
     try:
-        model_cfg = ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
-                                chat_format=args.chat_format)
-        report = eval_heads(model_cfg, args.tasks, args.limit, args.tree, args.temperatures, args.max_new_tokens,
+        report = eval_heads(model_config_from_args(args), args.tasks, args.limit, args.tree, args.temperatures, args.max_new_tokens,
                             args.heldout, args.seed, {"gsm8k": args.gsm8k_data})
     except (ValueError, ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,7 +11,7 @@ import logging
 import time
 from pathlib import Path
 
-from .banks import current_hardware, load_bank, resolve_bank_path
+from .banks import Bank, current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
 from .config import DecodingConfig, ModelConfig
 from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
 from .loading import (
@@ -30,15 +30,16 @@ log = logging.getLogger(__name__)
 WARMUP_PROMPT = "Say hello."
 
 
-def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[Policy, bool]:
+def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[Policy, bool, Path | None, Bank | None]:
     """Every config check that needs no model: policy, bank, tree files, heads directory and depth.
 
-    Returns the policy and whether it drafts (needs heads). Raises ValueError/FileNotFoundError naming the fix.
+    Returns the policy, whether it drafts (needs heads), and the bank's path and contents (None
+    unless an entmtp policy). Raises ValueError/FileNotFoundError naming the fix.
     """
-    bank = None
+    bank_path = bank = None
     if decoding.policy in BANK_POLICIES:
-        path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
-        bank = load_bank(path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
+        bank_path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
+        bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
     policy = make_policy(decoding, bank)
     topologies = [load_topology(spec) for spec in policy.trees()]
     needs_heads = any(t.depth > 0 for t in topologies)
@@ -46,14 +47,14 @@ def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[Policy,
         depth = available_depth(model_cfg.model, model_cfg.heads)
         for topology in topologies:
             make_topology(topology.paths, topology.name, max_depth=depth)
-    return policy, needs_heads
+    return policy, needs_heads, bank_path, bank
 
 
 class Engine:
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig):
         self.model_cfg = model_cfg
         self.decoding = decoding
-        policy, needs_heads = preflight(model_cfg, decoding)
+        policy, needs_heads, bank_path, bank = preflight(model_cfg, decoding)
         self.loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
         drafter = None
         self.heads_label = None
@@ -63,11 +64,9 @@ class Engine:
             self.heads_label = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
                                 else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
         self.decoder = SpecDecoder(self.loaded, drafter, policy)
-        self.bank_label = None
-        if decoding.policy in BANK_POLICIES:
-            path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
-            self.bank_label = str(path)
-            load_bank(path, hardware=current_hardware(self.loaded.device, self.loaded.dtype))  # warns on a mismatch
+        self.bank_label = str(bank_path) if bank_path else None
+        if bank is not None:
+            warn_if_other_hardware(bank, current_hardware(self.loaded.device, self.loaded.dtype), bank_path)
         self.actor_id: str | None = None  # set by the Ray actor that owns this engine
 
     def warm_up(self, max_new_tokens: int = 16) -> None:

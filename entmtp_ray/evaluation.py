@@ -7,13 +7,10 @@ the mean accepted length (tau) a tree reaches on each task's held-out (`eval`) p
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from .config import DecodingConfig, ModelConfig
 from .engine import Engine
-from .tasks import load_prompts
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from .tasks import SHARED_DATA, load_prompts
 
 
 def default_dataset(task: str) -> str | None:
@@ -39,7 +36,7 @@ def tau_on_prompts(engine: Engine, prompts: list[tuple[str, str]], decoding: Dec
             errors.append(f"{row_id}: {row['error']}")
             continue
         n = row["steps"]
-        tokens += round(row["mean_accepted_length"] * n)  # the row's accepted tokens, bonus included
+        tokens += row["num_output_tokens"] - 1  # every token after the prefill's came from a step
         steps += n
         rows_tau.append(row["mean_accepted_length"])
         counts = [p * n for p in row["accepted_per_position"]]

@@ -268,7 +268,8 @@ TASKS = {"gsm8k", "humaneval", "sharegpt"}
 # so the split is stable whatever sample or order a run takes.
 SUBSETS = ("all", "tune", "eval")
 EVAL_BUCKETS = 10
-HUMANEVAL_SPLIT = Path(__file__).resolve().parents[2] / "shared" / "data" / "splits" / "humaneval_calibration.json"
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # the project's shared data, beside the repo
+HUMANEVAL_SPLIT = SHARED_DATA / "splits" / "humaneval_calibration.json"
 
 
 def humaneval_tune_ids() -> set[str]:

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from entmtp_ray.banks import (Bank, BankTree, candidate_trees, choose_policies, current_hardware,  # noqa: E402
                               replay_all, save_bank)
 from entmtp_ray.calibration import Rollout, measure_rollout  # noqa: E402
-from entmtp_ray.cli import add_model_args, quiet_logging  # noqa: E402
+from entmtp_ray.cli import add_model_args, model_config_from_args, quiet_logging  # noqa: E402
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig  # noqa: E402
 from entmtp_ray.decoding import SpecDecoder, row_generator  # noqa: E402
 from entmtp_ray.engine import Engine  # noqa: E402
@@ -118,8 +118,7 @@ def main(argv=None) -> int:
     started = time.time()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model_cfg = ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
-                            chat_format=args.chat_format)
+    model_cfg = model_config_from_args(args)
     table = load_prompts(args.task, args.dataset, split=args.split, limit=args.prompts, seed=args.seed, subset="tune")
     rollout_dir = rollouts(args, model_cfg, table, work)
 
