@@ -6,13 +6,12 @@ is an error that names the fix; what may merely be slow (another model or machin
 from __future__ import annotations
 
 import logging
-import platform
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, Field, model_validator
 
-from .loading import PROJECT_ROOT
+from .loading import PROJECT_ROOT, machine_name
 from .policy import SIGNALS
 from .tree import Topology, make_topology
 
@@ -131,7 +130,7 @@ def current_hardware(device: torch.device | str, dtype: torch.dtype | str) -> Ha
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Hardware(device=name, threads=torch.get_num_threads(), dtype=str(dtype).replace("torch.", ""),
-                    machine=platform.processor() or platform.machine())
+                    machine=machine_name())
 
 
 def save_bank(bank: Bank, path: str | Path) -> None:
@@ -196,13 +195,15 @@ def candidate_trees(grown: list[tuple], budget: int, task: str) -> dict[str, fro
 
 
 def replay_all(rollouts, policy, trees: dict[str, frozenset], step_seconds: dict[str, float],
-               prefill_seconds: float = 0.0):
-    """A policy replayed over every calibration rollout, pooled (see growth.replay)."""
+               prefill_seconds: float = 0.0, lengths: list[dict[str, list[int]]] | None = None):
+    """A policy replayed over every calibration rollout, pooled (see growth.replay); `lengths`,
+    one growth.accepted_lengths per rollout, makes repeated replays several times faster."""
     from .growth import Replay, replay
 
     total = Replay()
-    for r in rollouts:
-        replay(r.rows, r.entropy, r.top1, policy, trees, step_seconds, into=total)
+    for k, r in enumerate(rollouts):
+        replay(r.rows, r.entropy, r.top1, policy, trees, step_seconds, into=total,
+               lengths=lengths[k] if lengths is not None else None)
     total.seconds += prefill_seconds
     return total
 
@@ -227,10 +228,13 @@ def choose_policies(rollouts, trees: dict[str, frozenset], step_seconds: dict[st
     rollouts; the highest replayed tokens/s wins each. Returns the settings and the sweep's figures."""
     from itertools import combinations
 
+    from .growth import accepted_lengths
     from .policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
 
+    lengths = [accepted_lengths(r.rows, trees) for r in rollouts]
+
     def rate(policy) -> float:
-        return replay_all(rollouts, policy, trees, step_seconds, prefill_seconds).tokens_per_s
+        return replay_all(rollouts, policy, trees, step_seconds, prefill_seconds, lengths).tokens_per_s
 
     fixed = {name: rate(FixedTree(name, name)) for name in frontier}
     star = max(frontier, key=lambda n: (fixed[n], -len(trees[n])))

@@ -41,6 +41,7 @@ class GenerationResult:
     prefill_s: float  # prompt forward + first token
     decode_s: float  # every draft-verify step after it
     steps: list[StepTrace] = field(default_factory=list)
+    schedule_s: float = 0.0  # inside decode_s: the policy's choose/observe and the signal's verifier stats
 
     @property
     def num_output_tokens(self) -> int:
@@ -233,9 +234,12 @@ class SpecDecoder:
         prefill_s = time.perf_counter() - start
 
         steps: list[StepTrace] = []
+        schedule_s = 0.0
         while finish is None:
             # 1) choose the tree; near the end of the context fall back to one node
+            tick = time.perf_counter()
             spec = self.policy.choose()
+            schedule_s += time.perf_counter() - tick
             buffers = self.buffers[spec]
             committed = cache.length
             if committed + buffers.num_nodes > capacity:
@@ -262,16 +266,18 @@ class SpecDecoder:
             new_tokens = tokens[accepted[1:]].tolist() + [root]
             before = len(output)
             finish = _extend(output, new_tokens, eos, max_new)
+            tick = time.perf_counter()
             rows = buffers.row_of_node[accepted[:-1]]
             entropy, top1 = _verifier_stats(torch.cat([scored_logits[rows], last_logits[None]]))
             steps.append(StepTrace(buffers.topology.name, buffers.num_nodes, len(output) - before, entropy, top1))
             self.policy.observe(steps[-1])
+            schedule_s += time.perf_counter() - tick
 
         self._sync()
         decode_s = time.perf_counter() - start - prefill_s
         return GenerationResult(
             prompt_token_ids=list(prompt_ids), output_token_ids=output, output_text=self.loaded.decode(output),
-            finish_reason=finish, prefill_s=prefill_s, decode_s=decode_s, steps=steps)
+            finish_reason=finish, prefill_s=prefill_s, decode_s=decode_s, steps=steps, schedule_s=schedule_s)
 
 
 def _extend(output: list[int], new_tokens: list[int], eos: frozenset[int], max_new: int) -> str | None:

@@ -159,20 +159,28 @@ def accepted_length(row: Sequence[int], paths: frozenset) -> int:
     return d + 1
 
 
+def accepted_lengths(rows: Sequence[Sequence[int]], trees: dict[str, frozenset]) -> dict[str, list[int]]:
+    """accepted_length of every tree at every rollout position, computed once for many replays."""
+    return {name: [accepted_length(row, paths) for row in rows] for name, paths in trees.items()}
+
+
 def replay(rows: Sequence[Sequence[int]], entropy: Sequence[float], top1: Sequence[float], policy,
-           trees: dict[str, frozenset], step_seconds: dict[str, float], into: Replay | None = None) -> Replay:
+           trees: dict[str, frozenset], step_seconds: dict[str, float], into: Replay | None = None,
+           lengths: dict[str, list[int]] | None = None) -> Replay:
     """Greedy decoding of one rollout under `policy`, step by step, without the model.
 
     At T=0 the output does not depend on the trees, so each step's accepted length is a table
     lookup (rows[i] for the step whose root is rollout token i) and the signal sees the verifier
     statistics of the accepted tokens; time is the measured cost of a step with the chosen tree.
+    `lengths` (from accepted_lengths) saves recomputing the lookups when one rollout is replayed
+    under many policies.
     """
     out = into or Replay()
     policy.reset()
     i, previous, end = 0, None, len(rows)
     while i + 1 < end:  # rollout token i is the root; the prefill emitted token 0
         name = policy.choose()
-        a = accepted_length(rows[i], trees[name])
+        a = lengths[name][i] if lengths is not None else accepted_length(rows[i], trees[name])
         policy.observe(ReplayStep(name, min(a, end - 1 - i), list(entropy[i: i + a]), list(top1[i: i + a])))
         out.steps += 1
         out.tokens += min(a, end - 1 - i)  # the last step is cut at the rollout's end, as decoding cuts it

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -69,6 +70,18 @@ class LoadedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def machine_name() -> str:
+    """The CPU model ('AMD EPYC 7B13'), for records of where something was measured or trained;
+    platform.processor() only says 'x86_64' on Linux."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def pick_device(device: str = "auto") -> torch.device:

@@ -40,6 +40,8 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="data order and initialisation seed")
     bf16: bool = Field(True, description="bf16 autocast for the head and vocab matmuls (CPU and GPU)")
     checkpoint_every: int = Field(100, ge=1, description="steps between resumable checkpoints")
+    snapshot_every: int | None = Field(None, ge=1, description="also save the heads every this many steps "
+                                       "(out/step-NNNNN), to measure quality against training steps")
     max_minutes: float | None = Field(None, gt=0, description="stop (and save) after this much wall time")
 
 
@@ -307,6 +309,8 @@ def train(heads: HydraHeads, model, sequences: list[Sequence], cfg: TrainConfig,
         done = state["step"] >= cfg.steps or (cfg.max_minutes is not None and state["seconds"] > 60 * cfg.max_minutes)
         if done or state["step"] % cfg.checkpoint_every == 0:
             _save_checkpoint(checkpoint, heads, optimizer, scheduler, state)
+        if cfg.snapshot_every and state["step"] % cfg.snapshot_every == 0:
+            save_heads(heads, out / f"step-{state['step']:05d}", save_dtype)
         if done:
             break
     bar.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -24,7 +23,7 @@ import torch  # noqa: E402
 
 from entmtp_ray.cli import quiet_logging  # noqa: E402
 from entmtp_ray.heads import init_heads  # noqa: E402
-from entmtp_ray.loading import EMBEDDED_MODEL, load_model  # noqa: E402
+from entmtp_ray.loading import EMBEDDED_MODEL, load_model, machine_name  # noqa: E402
 from entmtp_ray.training import (TrainConfig, chat_sequence, evaluate,  # noqa: E402
                                  generated_conversations, sharegpt_conversations, train)
 
@@ -91,7 +90,7 @@ def main(argv=None) -> int:
         "train_seconds": state["seconds"],
         "base_dtype": args.dtype,
         "hardware": {"device": str(loaded.device), "threads": torch.get_num_threads(),
-                     "cpu": platform.processor() or platform.machine()},
+                     "cpu": machine_name()},
         "config": cfg.model_dump(),
         "heldout_top1_per_head": scores["top1"],
         "heldout_loss_per_head": scores["loss"],
