@@ -5,7 +5,8 @@
 
 1. Self-rollouts of the task's calibration prompts (its `tune` subset, --prompts sampled with
    --seed) on a Ray actor pool, through the same actor code as jobs/generate.py; greedy output
-   does not depend on the tree, so they decode with Hydra's tree to go faster.
+   does not depend on the tree, so they decode with whichever policy is fastest here
+   (--rollout-policy).
 2. One teacher-forced pass per rollout ranks every true next token under the head that would draft
    it (calibration.measure_rollout).
 3. Greedy tree growth (Algorithm 1) to --budget nodes; candidates at a ladder of sizes.
@@ -51,7 +52,7 @@ def rollouts(args, model_cfg: ModelConfig, table, work: Path) -> Path:
     check_output(str(out), resume=True)
     job = JobConfig(task=args.task, dataset=args.dataset, output=str(out), resume=True,
                     min_actors=1, max_actors=args.max_actors, cpus_per_actor=args.threads, address=args.address)
-    decoding = DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens)
+    decoding = DecodingConfig(policy=args.rollout_policy, max_new_tokens=args.max_new_tokens)
     summary = run_pipeline(table, job, model_cfg, decoding)
     print(f"rollouts: {json.dumps(summary)}", file=sys.stderr)
     return out
@@ -112,6 +113,12 @@ def main(argv=None) -> int:
                    "--cpus-per-actor); the bank's step times are measured with the same")
     p.add_argument("--max-actors", type=int, default=1)
     p.add_argument("--address", default=None)
+    p.add_argument("--rollout-policy", default="ar", choices=["ar", "hydra", "medusa"],
+                   help="decodes the calibration rollouts; greedy output is the same under every policy, so "
+                   "pick the fastest here (ar on a CPU, where a 64-node tree step costs more than it saves; "
+                   "hydra on a GPU)")
+    p.add_argument("--rollouts-only", action="store_true", help="stop after the rollouts (e.g. to run every "
+                   "task's rollouts on the cluster first, then time the trees on a quiet machine)")
     add_model_args(p)
     args = p.parse_args(argv)
     quiet_logging()
@@ -121,6 +128,8 @@ def main(argv=None) -> int:
     model_cfg = model_config_from_args(args)
     table = load_prompts(args.task, args.dataset, split=args.split, limit=args.prompts, seed=args.seed, subset="tune")
     rollout_dir = rollouts(args, model_cfg, table, work)
+    if args.rollouts_only:
+        return 0
 
     torch.set_num_threads(args.threads)
     engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens))

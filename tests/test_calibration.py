@@ -88,7 +88,7 @@ def test_table_predicts_every_steps_accepted_length_with_shipped_heads(tree):
 
 
 def test_replay_counts_steps_tokens_and_switches_by_hand():
-    from entmtp_ray.growth import replay
+    from entmtp_ray.growth import accepted_lengths, replay
     from entmtp_ray.policy import HysteresisPolicy, make_signal
 
     trees = {"one": frozenset(), "chain": frozenset({(0,), (0, 0)})}
@@ -109,7 +109,7 @@ def test_replay_counts_steps_tokens_and_switches_by_hand():
 def test_replay_reproduces_greedy_decoding_of_a_switching_policy():
     from entmtp_ray.calibration import measure_rollout
     from entmtp_ray.decoding import SpecDecoder
-    from entmtp_ray.growth import replay
+    from entmtp_ray.growth import accepted_lengths, replay
     from entmtp_ray.policy import HysteresisPolicy, make_signal
 
     base = Engine(ModelConfig(dtype="fp32", device="cpu"), DecodingConfig(policy="hydra", max_new_tokens=96))
@@ -130,5 +130,10 @@ def test_replay_reproduces_greedy_decoding_of_a_switching_policy():
         assert replayed.tokens == sum(s.accepted_length for s in result.steps), k
         assert dict(replayed.usage) == result.tree_usage(), k
         assert replayed.switches == result.tree_switches(), k
+        fast = replay(rollout.rows, rollout.entropy, rollout.top1, policy, trees, {"chain3": 1.0, "hydra": 1.0},
+                      lengths=accepted_lengths(rollout.rows, trees))
+        assert (fast.steps, fast.tokens, fast.usage, fast.switches) == (
+            replayed.steps, replayed.tokens, replayed.usage, replayed.switches), k
+        assert 0 < result.schedule_s < 0.05 * result.decode_s, k  # the scheduler is timed, and cheap
         switches += replayed.switches
     assert switches > 0, "the thresholds should make this policy switch at least once"
