@@ -37,6 +37,7 @@ from entmtp_ray.cli import add_model_args, model_config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig  # noqa: E402
 from entmtp_ray.decoding import SpecDecoder, row_generator  # noqa: E402
 from entmtp_ray.engine import Engine  # noqa: E402
+from entmtp_ray.loading import PROJECT_ROOT  # noqa: E402
 from entmtp_ray.growth import AcceptanceTable, grow_trees, pareto_frontier  # noqa: E402
 from entmtp_ray.policy import FixedTree  # noqa: E402
 from entmtp_ray.tasks import TASKS, load_prompts  # noqa: E402
@@ -97,6 +98,14 @@ def step_seconds(engine: Engine, trees: dict[str, frozenset], prompts: list[str]
     return saved["steps"], sum(saved["prefill"]) / len(saved["prefill"])
 
 
+def project_relative(path: str) -> str:
+    """A path inside the checkout as the checkout sees it (banks ship; absolute paths do not travel)."""
+    try:
+        return str(Path(path).resolve().relative_to(PROJECT_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", required=True, choices=sorted(TASKS))
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
     frontier = [names[i] for i in pareto_frontier([(len(trees[n]) + 1, stats[n]["tau"]) for n in names])]
     policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier)
     bank = Bank(
-        model=Path(args.model).name, heads=str(engine.heads_label), task=args.task,
+        model=Path(args.model).name, heads=project_relative(engine.heads_label), task=args.task,
         hardware=current_hardware(engine.loaded.device, engine.loaded.dtype),
         calibration={"source": args.dataset or args.task, "subset": "tune", "prompts": len(measured),
                      "seed": args.seed, "max_new_tokens": args.max_new_tokens, "positions": table_.rows},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -120,3 +121,36 @@ def test_bank_policy_without_task_or_bank_fails_before_loading():
         preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau"))
     with pytest.raises(FileNotFoundError, match="build one with jobs/build_bank.py"):
         preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau", task="nosuchtask"))
+
+
+@pytest.mark.slow
+def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
+    """jobs/build_bank.py on real local Ray with the tiny model: rollouts, rank tables, growth,
+    timings, sweeps -> a bank that loads; a second run reuses every cached stage."""
+    import subprocess
+    import sys
+
+    from entmtp_ray.tasks import SHARED_DATA
+
+    model_dir, heads_dir = tiny_model_dirs
+    out, work = tmp_path / "bank.json", tmp_path / "work"
+    args = [sys.executable, str(Path(__file__).resolve().parent.parent / "jobs" / "build_bank.py"),
+            "--task", "gsm8k", "--dataset", str(SHARED_DATA / "gsm8k" / "train.jsonl"), "--prompts", "4",
+            "--max-new-tokens", "24", "--budget", "8", "--timing-prompts", "1", "--model", str(model_dir),
+            "--heads", str(heads_dir), "--out", str(out), "--work", str(work)]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    bank = load_bank(out, max_depth=4)
+    assert bank.task == "gsm8k" and bank.calibration["prompts"] == 4 and bank.hardware.threads == 1
+    nodes = [t.nodes for t in bank.trees]
+    assert nodes == sorted(nodes) and nodes[0] == 1 and max(nodes) <= 8
+    taus = [t.tau for t in bank.trees]
+    assert taus == sorted(taus), "the frontier's accepted length grows with its nodes"
+    for name in ("tables.json", "step_seconds.json", "sweep.json"):
+        assert (work / name).is_file(), name
+    stamp = (work / "step_seconds.json").stat().st_mtime
+    second = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "0 to go" in second.stderr and (work / "step_seconds.json").stat().st_mtime == stamp
+    again = load_bank(out, max_depth=4)
+    assert again.trees == bank.trees and again.policy == bank.policy
