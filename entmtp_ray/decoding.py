@@ -111,20 +111,12 @@ class NoDrafter:
 class HydraDrafter:
     """Grounded Hydra drafting: each depth runs its head once over all expanding parents.
 
-    On CPU in fp32, the shared vocab projection of the drafts runs on a bf16 copy of the base
-    lm_head: drafts only need a good top-k, and the few-row bf16 product is several times
-    faster there. Verification always uses the base model's own lm_head, so output is unchanged.
     """
 
     def __init__(self, heads: HydraHeads, model):
         self.heads = heads
         self.embed = model.model.embed_tokens
         self.lm_head = model.lm_head
-        weight = model.lm_head.weight
-        if heads.lm_heads is None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
-            self.lm_head.weight.data.copy_(weight)
-            self.lm_head.requires_grad_(False)
         self.rotary = model.model.rotary_emb
         self.max_depth = heads.config.num_heads
         self.cache: KVCache | None = None
@@ -148,7 +140,6 @@ class HydraDrafter:
             parents, d = paths.shape
             rows = torch.cat([self.context.expand(parents, -1), self.embed(paths).reshape(parents, -1)], dim=-1)
             hidden = self.heads.head_hidden(level.head_index, rows)  # [parents, H]
-            hidden = hidden.to(self.lm_head.weight.dtype)
             logits = self.heads.project(level.head_index, hidden, self.lm_head)  # [parents, V]
             top = logits.topk(level.top_k, dim=-1).indices.reshape(-1)  # [parents * top_k]
             tokens[level.node_start: level.node_start + level.child_select.numel()] = top[level.child_select]
