@@ -60,10 +60,10 @@ class HeadMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
         x = F.dropout(x, dropout, self.training)
-        x = self.first_res(x) + F.silu(self.first_linear(x))
+        x = linear(x, self.first_res) + F.silu(linear(x, self.first_linear))
         for _ in range(self.repeats):
             x = F.dropout(x, dropout, self.training)
-            x = x + F.silu(self.block(x))
+            x = x + F.silu(linear(x, self.block))
         return x
 
 

@@ -74,7 +74,7 @@ class Projection:
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None  # [out]
     packed: torch.Tensor | None  # oneDNN layout of `weight`; None where it would not pay
-    source: int  # weight.data_ptr() when built, to notice a weight replaced later
+    source: tuple[int, int]  # weight_key(weight) when built: a weight replaced or updated in place since is noticed
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
@@ -82,7 +82,7 @@ class Projection:
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packing():
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        return cls(weight, bias, packed, weight.data_ptr())
+        return cls(weight, bias, packed, weight_key(weight))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
@@ -90,10 +90,15 @@ class Projection:
         return matmul_rows(x, self.weight, self.bias)
 
 
+def weight_key(weight: torch.Tensor) -> tuple[int, int]:
+    """Where a weight lives and how often it was written in place: a derived tensor is stale when this changes."""
+    return weight.data_ptr(), weight._version
+
+
 def projection(layer: torch.nn.Linear) -> Projection:
-    """The layer's Projection, built on first use and again if its weight was replaced."""
+    """The layer's Projection, built on first use and again if its weight was replaced or updated."""
     cached = layer.__dict__.get("_entmtp_projection")
-    if cached is None or cached.source != layer.weight.data_ptr():
+    if cached is None or cached.source != weight_key(layer.weight):
         cached = Projection.of(layer.weight, layer.bias)
         layer.__dict__["_entmtp_projection"] = cached
     return cached
@@ -118,12 +123,12 @@ class FusedProjections:
     """One layer's q/k/v and gate/up weights, each pair of matmuls made one.
 
     The module's own q/k/v/gate/up weights are re-pointed to views of these tensors, so memory
-    is not doubled; `source` is the q weight's address, to notice a later `.to()` that replaced it.
+    is not doubled; `source` is the q weight's key, to notice a later `.to()` or in-place update.
     """
 
     qkv: Projection  # H -> (heads + 2 * kv_heads) * head_dim
     gate_up: Projection  # H -> 2 * I
-    source: int
+    source: tuple[int, int]
 
 
 def _share(parts: list[torch.nn.Linear], fused: torch.Tensor, attribute: str) -> None:
@@ -138,7 +143,7 @@ def fused_projections(layer: torch.nn.Module) -> FusedProjections:
     """The layer's FusedProjections, built on first use and again if its weights were replaced."""
     attn, block = layer.self_attn, layer.mlp
     fused = layer.__dict__.get("_entmtp_fused")
-    if fused is not None and fused.source == attn.q_proj.weight.data_ptr():
+    if fused is not None and fused.source == weight_key(attn.q_proj.weight):
         return fused
     qkv_parts, gate_up_parts = [attn.q_proj, attn.k_proj, attn.v_proj], [block.gate_proj, block.up_proj]
     with torch.inference_mode(False), torch.no_grad():  # plain tensors: the weights stay usable for training
@@ -149,7 +154,7 @@ def fused_projections(layer: torch.nn.Module) -> FusedProjections:
         if bias is not None:
             _share(qkv_parts, bias, "bias")
         _share(gate_up_parts, gate_up, "weight")
-    fused = FusedProjections(Projection.of(qkv, bias), Projection.of(gate_up, None), attn.q_proj.weight.data_ptr())
+    fused = FusedProjections(Projection.of(qkv, bias), Projection.of(gate_up, None), weight_key(attn.q_proj.weight))
     layer.__dict__["_entmtp_fused"] = fused
     return fused
 
