@@ -28,6 +28,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     g.add_argument("--device", default="auto", help="cpu | cuda[:N] | auto")
     g.add_argument("--chat-format", default="auto", choices=["auto", "template", "vicuna_v1.1", "raw"])
+    g.add_argument("--draft-vocab", type=int, default=None, help="draft over the K most frequent tokens of the "
+                   "heads' draft_vocab.json (default: its own size; 0 = full vocabulary)")
 
 
 def add_decoding_args(p: argparse.ArgumentParser, task_flag: bool = True) -> None:
@@ -76,7 +78,7 @@ def job_config_from_args(args) -> JobConfig:
 
 def model_config_from_args(args) -> ModelConfig:
     return ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
-                       chat_format=args.chat_format)
+                       chat_format=args.chat_format, draft_vocab=args.draft_vocab)
 
 
 def configs_from_args(args) -> tuple[ModelConfig, DecodingConfig]:

@@ -18,6 +18,11 @@ class ModelConfig(BaseModel):
     device: str = Field("auto", description="cpu | cuda[:N] | auto")
     chat_format: str = Field("auto", description="template (tokenizer's own) | vicuna_v1.1 | raw; auto picks "
                              "vicuna_v1.1 for Vicuna models, else the tokenizer's template when it has one")
+    draft_vocab: int | None = Field(
+        None, ge=0, description="draft over the K tokens most frequent in the heads' training text "
+        "(draft_vocab.json beside the heads): each draft depth's vocabulary projection costs K/V of the full one, "
+        "but a draft can never be a rarer token (lower acceptance; the output is unchanged). None = the heads' "
+        "default size when they ship the file, else the full vocabulary; 0 = the full vocabulary")
 
 
 class DecodingConfig(BaseModel):

@@ -28,8 +28,8 @@ class StepTrace:
     tree: str
     nodes: int
     accepted_length: int  # tokens this step added to the output (accepted drafts + the bonus token)
-    entropy: list[float]  # verifier next-token entropy (nats, T=1) at each accepted position
-    top1_prob: list[float]  # verifier top-1 probability (T=1) at each accepted position
+    entropy: list[float]  # verifier next-token entropy (nats, T=1) at each accepted position; [] unless
+    top1_prob: list[float]  # verifier top-1 probability (T=1) at each accepted position; the policy reads_signal
 
 
 @dataclass
@@ -111,12 +111,21 @@ class NoDrafter:
 class HydraDrafter:
     """Grounded Hydra drafting: each depth runs its head once over all expanding parents.
 
+    With `draft_vocab` ([K] token ids) each depth projects onto those K tokens only (rows of each
+    head's vocabulary projection, taken once here), so a depth's cost stops growing with the vocabulary.
     """
 
-    def __init__(self, heads: HydraHeads, model):
+    def __init__(self, heads: HydraHeads, model, draft_vocab: list[int] | None = None):
         self.heads = heads
         self.embed = model.model.embed_tokens
         self.lm_head = model.lm_head
+        self.vocab_ids = None  # [K] token id of each column of the draft logits; None = all
+        self.projections = None  # per head: a Linear over the K rows, when drafting on a shortlist
+        if draft_vocab:
+            device = model.lm_head.weight.device
+            self.vocab_ids = torch.tensor(draft_vocab, dtype=torch.long, device=device)  # [K]
+            sources = heads.lm_heads if heads.lm_heads is not None else [model.lm_head] * heads.config.num_heads
+            self.projections = [_row_subset(source, self.vocab_ids) for source in sources]
         self.rotary = model.model.rotary_emb
         self.max_depth = heads.config.num_heads
         self.cache: KVCache | None = None
@@ -140,10 +149,25 @@ class HydraDrafter:
             parents, d = paths.shape
             rows = torch.cat([self.context.expand(parents, -1), self.embed(paths).reshape(parents, -1)], dim=-1)
             hidden = self.heads.head_hidden(level.head_index, rows)  # [parents, H]
-            logits = self.heads.project(level.head_index, hidden, self.lm_head)  # [parents, V]
-            top = logits.topk(level.top_k, dim=-1).indices.reshape(-1)  # [parents * top_k]
+            if self.projections is None:
+                logits = self.heads.project(level.head_index, hidden, self.lm_head)  # [parents, V]
+                top = logits.topk(level.top_k, dim=-1).indices.reshape(-1)  # [parents * top_k]
+            else:
+                logits = linear(hidden, self.projections[level.head_index])  # [parents, K]
+                top = self.vocab_ids[logits.topk(level.top_k, dim=-1).indices.reshape(-1)]  # [parents * top_k]
             tokens[level.node_start: level.node_start + level.child_select.numel()] = top[level.child_select]
         return tokens
+
+
+def _row_subset(layer: torch.nn.Linear, rows: torch.Tensor) -> torch.nn.Linear:
+    """A frozen Linear computing only output features `rows` of `layer`."""
+    subset = torch.nn.Linear(layer.in_features, rows.numel(), bias=layer.bias is not None,
+                             device=layer.weight.device, dtype=layer.weight.dtype)
+    with torch.no_grad():
+        subset.weight.copy_(layer.weight[rows])
+        if layer.bias is not None:
+            subset.bias.copy_(layer.bias[rows])
+    return subset.requires_grad_(False)
 
 
 def row_generator(seed: int, row_id: str, device) -> torch.Generator:
@@ -154,11 +178,16 @@ def row_generator(seed: int, row_id: str, device) -> torch.Generator:
 
 
 def _verifier_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
-    """Entropy (nats) and top-1 probability of each row of logits [a, V] at T=1."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    probs = log_probs.exp()
-    entropy = -torch.special.xlogy(probs, probs).sum(-1)  # 0 log 0 = 0 for masked logits
-    return entropy.tolist(), probs.max(-1).values.tolist()
+    """Entropy (nats) and top-1 probability of each row of logits [a, V] at T=1, in one exp pass:
+    with m the row max, e = exp(l - m) and Z = sum e, H = log Z - sum(e (l - m)) / Z and p1 = 1 / Z."""
+    shifted = logits.float()
+    shifted = shifted - shifted.max(-1, keepdim=True).values  # [a, V], <= 0
+    weights = shifted.exp()  # [a, V]
+    total = weights.sum(-1)  # [a]
+    # masked (-inf) logits have weight 0; their shifted value is -inf, so zero those products
+    spread = torch.where(weights > 0, weights * shifted, 0.0).sum(-1)  # [a]
+    entropy = total.log() - spread / total
+    return entropy.tolist(), total.reciprocal().tolist()
 
 
 class SpecDecoder:
@@ -258,8 +287,10 @@ class SpecDecoder:
             before = len(output)
             finish = _extend(output, new_tokens, eos, max_new)
             tick = time.perf_counter()
-            rows = buffers.row_of_node[accepted[:-1]]
-            entropy, top1 = _verifier_stats(torch.cat([scored_logits[rows], last_logits[None]]))
+            entropy = top1 = []
+            if self.policy.reads_signal:
+                rows = buffers.row_of_node[accepted[:-1]]
+                entropy, top1 = _verifier_stats(torch.cat([scored_logits[rows], last_logits[None]]))
             steps.append(StepTrace(buffers.topology.name, buffers.num_nodes, len(output) - before, entropy, top1))
             self.policy.observe(steps[-1])
             schedule_s += time.perf_counter() - tick

@@ -17,6 +17,7 @@ from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
 from .loading import (
     UNTRAINED_HEADS,
     available_depth,
+    draft_vocab_for,
     load_model,
     load_model_heads,
     resolve_heads_path,
@@ -47,6 +48,7 @@ def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[Policy,
         depth = available_depth(model_cfg.model, model_cfg.heads)
         for topology in topologies:
             make_topology(topology.paths, topology.name, max_depth=depth)
+        draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
     return policy, needs_heads, bank_path, bank
 
 
@@ -58,9 +60,12 @@ class Engine:
         self.loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
         drafter = None
         self.heads_label = None
+        self.draft_vocab_size = 0  # 0 = drafts over the full vocabulary
         if needs_heads:
             heads = load_model_heads(self.loaded, model_cfg.heads)
-            drafter = HydraDrafter(heads, self.loaded.model)
+            vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
+            drafter = HydraDrafter(heads, self.loaded.model, vocab)
+            self.draft_vocab_size = len(vocab) if vocab else 0
             self.heads_label = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
                                 else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
         self.decoder = SpecDecoder(self.loaded, drafter, policy)

@@ -24,6 +24,7 @@ from .llama import attention_mask, decoder_layer, linear, rotary
 
 CONFIG_FILE = "heads_config.json"
 WEIGHTS_FILE = "heads.safetensors"
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 FORMAT_VERSION = 1
 
 
@@ -263,3 +264,40 @@ def _map_hydra_state(source: dict, config: HeadsConfig, expected: dict, where) -
         raise ValueError(f"heads {where}: unexpected keys {unknown[:5]} in hydra_lm_head.pt; "
                          "is this a Hydra checkpoint of a supported arch?")
     return state
+
+
+# ---- draft vocabulary ------------------------------------------------------------------------
+# Heads that share the base lm_head spend most of a draft depth projecting onto the whole
+# vocabulary. Projecting onto the K tokens most frequent in the heads' training text instead (as
+# FR-Spec does) costs V/K times less; a draft can then never be a rarer token, which only lowers
+# acceptance, never changes the output (verification uses the full lm_head).
+
+def save_draft_vocab(token_ids: list[int], counts: list[int], directory: str | Path, source: dict,
+                     default_size: int) -> None:
+    """Token ids by descending count in the heads' training targets, beside the heads; `default_size`
+    is how many of them drafting uses unless told otherwise."""
+    assert len(token_ids) == len(counts) and 0 < default_size <= len(token_ids)
+    data = {"format_version": FORMAT_VERSION, "source": source, "target_tokens": sum(counts),
+            "default_size": default_size, "token_ids": token_ids, "counts": counts}
+    (Path(directory) / DRAFT_VOCAB_FILE).write_text(json.dumps(data) + "\n")
+
+
+def load_draft_vocab(directory: str | Path, size: int | None) -> list[int] | None:
+    """The `size` most frequent token ids of the heads in `directory` (None: the file's default size,
+    or the full vocabulary when there is no file; 0: the full vocabulary, returned as None)."""
+    path = Path(directory) / DRAFT_VOCAB_FILE
+    if size == 0 or (size is None and not path.is_file()):
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"--draft-vocab {size}: {path} is missing; build it with jobs/draft_vocab.py "
+                                "--heads DIR, or pass --draft-vocab 0 (the full vocabulary)")
+    data = json.loads(path.read_text())
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {data.get('format_version')!r}, expected {FORMAT_VERSION}; "
+                         "rebuild it with jobs/draft_vocab.py")
+    ids = data["token_ids"]
+    size = data["default_size"] if size is None else size
+    if size > len(ids):
+        raise ValueError(f"--draft-vocab {size}: {path} ranks only {len(ids)} tokens (the others never occur "
+                         f"in the heads' training text); pass at most {len(ids)}, or 0 for the full vocabulary")
+    return ids[:size]

@@ -123,12 +123,13 @@ class FusedProjections:
     """One layer's q/k/v and gate/up weights, each pair of matmuls made one.
 
     The module's own q/k/v/gate/up weights are re-pointed to views of these tensors, so memory
-    is not doubled; `source` is the q weight's key, to notice a later `.to()` or in-place update.
+    is not doubled; `source` holds the parts' weight keys, to notice a later `.to()` or in-place update
+    of any of them (a Parameter re-pointed at a view keeps its own version counter).
     """
 
     qkv: Projection  # H -> (heads + 2 * kv_heads) * head_dim
     gate_up: Projection  # H -> 2 * I
-    source: tuple[int, int]
+    source: tuple[tuple[int, int], ...]
 
 
 def _share(parts: list[torch.nn.Linear], fused: torch.Tensor, attribute: str) -> None:
@@ -139,13 +140,17 @@ def _share(parts: list[torch.nn.Linear], fused: torch.Tensor, attribute: str) ->
         start += rows
 
 
+def _parts_key(parts: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
+    return tuple(weight_key(p.weight) for p in parts)
+
+
 def fused_projections(layer: torch.nn.Module) -> FusedProjections:
     """The layer's FusedProjections, built on first use and again if its weights were replaced."""
     attn, block = layer.self_attn, layer.mlp
-    fused = layer.__dict__.get("_entmtp_fused")
-    if fused is not None and fused.source == weight_key(attn.q_proj.weight):
-        return fused
     qkv_parts, gate_up_parts = [attn.q_proj, attn.k_proj, attn.v_proj], [block.gate_proj, block.up_proj]
+    fused = layer.__dict__.get("_entmtp_fused")
+    if fused is not None and fused.source == _parts_key(qkv_parts + gate_up_parts):
+        return fused
     with torch.inference_mode(False), torch.no_grad():  # plain tensors: the weights stay usable for training
         qkv = torch.cat([p.weight for p in qkv_parts])
         bias = torch.cat([p.bias for p in qkv_parts]) if attn.q_proj.bias is not None else None
@@ -154,7 +159,8 @@ def fused_projections(layer: torch.nn.Module) -> FusedProjections:
         if bias is not None:
             _share(qkv_parts, bias, "bias")
         _share(gate_up_parts, gate_up, "weight")
-    fused = FusedProjections(Projection.of(qkv, bias), Projection.of(gate_up, None), weight_key(attn.q_proj.weight))
+    fused = FusedProjections(Projection.of(qkv, bias), Projection.of(gate_up, None),
+                             _parts_key(qkv_parts + gate_up_parts))
     layer.__dict__["_entmtp_fused"] = fused
     return fused
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .heads import HydraHeads, heads_depth, init_heads, load_heads
+from .heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,15 @@ def available_depth(model_name: str, heads_path: str | None) -> int:
     if heads_path == UNTRAINED_HEADS:
         return UNTRAINED_DEPTH
     return heads_depth(resolve_heads_path(model_name, heads_path))
+
+
+def draft_vocab_for(model_name: str, heads_path: str | None, size: int | None) -> list[int] | None:
+    """The drafting shortlist (ModelConfig.draft_vocab) for these heads; None = the full vocabulary."""
+    if heads_path == UNTRAINED_HEADS:
+        if size:
+            raise ValueError(f"--draft-vocab {size}: untrained heads have no draft vocabulary; pass --draft-vocab 0")
+        return None
+    return load_draft_vocab(resolve_heads_path(model_name, heads_path), size)
 
 
 def load_model_heads(loaded: LoadedModel, heads_path: str | None) -> HydraHeads:

@@ -26,6 +26,7 @@ class StepView(Protocol):
 
 class Policy(Protocol):
     name: str
+    reads_signal: bool  # whether observe() reads the verifier's entropy / top-1 (else the decoder skips them)
 
     def trees(self) -> list[str]: ...
 
@@ -38,6 +39,8 @@ class Policy(Protocol):
 
 class FixedTree:
     """The same tree every step (AR, Hydra's and Medusa's defaults, any tree file)."""
+
+    reads_signal = False
 
     def __init__(self, name: str, tree: str):
         self.name = name
@@ -117,6 +120,8 @@ class LadderPolicy:
     """K trees for K intervals of the signal: trees[i] while thresholds[i-1] <= s < thresholds[i]
     (trees ordered from the most confident interval to the least)."""
 
+    reads_signal = True
+
     def __init__(self, name: str, trees: list[str], thresholds: list[float], signal: Signal):
         if len(trees) != len(thresholds) + 1 or list(thresholds) != sorted(thresholds):
             raise ValueError("a ladder needs K trees and K-1 ascending thresholds")
@@ -144,6 +149,8 @@ class LadderPolicy:
 class HysteresisPolicy:
     """Two trees with hysteresis: go aggressive once s <= tau_on, back to conservative once
     s >= tau_off (tau_on < tau_off), so a signal wandering between them never flips the tree."""
+
+    reads_signal = True
 
     def __init__(self, name: str, conservative: str, aggressive: str, tau_on: float, tau_off: float,
                  signal: Signal, start_aggressive: bool = False):

@@ -40,6 +40,7 @@ from entmtp_ray.evaluation import default_dataset  # noqa: E402
 from entmtp_ray.loading import (  # noqa: E402
     EMBEDDED_MODEL,
     available_depth,
+    draft_vocab_for,
     embedded_source,
     load_model,
     load_model_heads,
@@ -104,6 +105,20 @@ def first_difference_is_tie(loaded, ids: list[int], got: list[int], want: list[i
     return abs(float(logits[got[i]] - logits[want[i]])) <= tolerance and float(logits[want[i]]) >= top - tolerance
 
 
+def weight_read_seconds(loaded, repeats: int = 7) -> tuple[int, float]:
+    """Bytes of the model's weights (tied ones once) and the median seconds to read them all once at
+    this thread count: the memory floor of one AR step, which must stream every weight."""
+    params = list(loaded.model.parameters())
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for param in params:
+                param.sum()
+            times.append(time.perf_counter() - start)
+    return sum(p.numel() * p.element_size() for p in params), statistics.median(times)
+
+
 def _one_token_steps(tokens: list[int], seconds: float) -> dict:
     """A baseline's run in the record shape of ours: every token after the first is one step."""
     steps = max(0, len(tokens) - 1)
@@ -130,7 +145,10 @@ def summarize(runs: list[dict], ar_rate: dict[str, float]) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = []
+    lines = [f"weights {report['weight_bytes'] / 1e6:.0f} MB, read once in {report['floor_ms']:.1f} ms "
+             f"({report['read_gb_per_s']:.1f} GB/s)" + (f"; AR step {report['ar_step_ms']:.1f} ms = "
+                                                        f"{report['ar_step_over_floor']:.2f}x that floor"
+                                                        if "ar_step_ms" in report else "")]
     for temperature, rows in report["results"].items():
         lines += [f"\n{report['task']}, T={temperature} ({rows['ar']['prompts']} prompts, "
                   f"{report['max_new_tokens']} new tokens)",
@@ -177,7 +195,8 @@ def main(argv=None) -> int:
     bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
     loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
     warn_if_other_hardware(bank, current_hardware(loaded.device, loaded.dtype), bank_path)
-    drafter = HydraDrafter(load_model_heads(loaded, model_cfg.heads), loaded.model)
+    vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
+    drafter = HydraDrafter(load_model_heads(loaded, model_cfg.heads), loaded.model, vocab)
     policies = [name for name in args.systems if name in POLICIES]
     decoders = {name: SpecDecoder(loaded, drafter, make_policy(DecodingConfig(policy=name, task=args.task), bank))
                 for name in policies}
@@ -205,9 +224,11 @@ def main(argv=None) -> int:
     encoded = [(row_id, ids) for row_id, ids in encoded if len(ids) <= limit]
 
     report = {"task": args.task, "bank": str(bank_path), "max_new_tokens": args.max_new_tokens,
-              "threads": args.threads, "hardware": current_hardware(loaded.device, loaded.dtype).model_dump(),
+              "threads": args.threads, "draft_vocab": len(vocab) if vocab else 0, "hardware": current_hardware(loaded.device, loaded.dtype).model_dump(),
               "skipped_over_input_limit": skipped, "mismatches": [], "ties": [],
               "results": {}}
+    weight_bytes, floor_s = weight_read_seconds(loaded)
+    report.update(weight_bytes=weight_bytes, floor_ms=1e3 * floor_s, read_gb_per_s=weight_bytes / floor_s / 1e9)
     for temperature in args.temperatures:
         cfg = DecodingConfig(max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed,
                              acceptance="typical" if temperature > 0 else "greedy")
@@ -230,6 +251,10 @@ def main(argv=None) -> int:
                     report["ties" if tie else "mismatches"].append({"id": row_id, "system": n})
             print(f"T={temperature} prompt {k + 1}/{len(encoded)} done", file=sys.stderr)
         ar_rate = {r["id"]: r["tokens"] / r["seconds"] for r in runs["ar"]}
+        if temperature == 0:
+            ar_step = sum(r["decode_s"] for r in runs["ar"]) / sum(r["steps"] for r in runs["ar"])
+            report["ar_step_ms"] = 1e3 * ar_step
+            report["ar_step_over_floor"] = ar_step / floor_s
         report["results"][str(temperature)] = {name: summarize(runs[name], ar_rate) for name in args.systems}
     print(table(report))
     if args.out:

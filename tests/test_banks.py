@@ -95,8 +95,12 @@ def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path,
 
     model_dir, heads_dir = tiny_model_dirs
     model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
-    reference = Engine(model_cfg, DecodingConfig(policy="ar", max_new_tokens=40)).generate("r", "Write a poem.")
-    seen = sorted(h for step in reference.steps for h in step.entropy)
+    from entmtp_ray.calibration import measure_rollout
+
+    engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=40))
+    reference = engine.generate("r", "Write a poem.")
+    ids = engine.encode("Write a poem.")
+    seen = sorted(measure_rollout(engine.decoder, ids + reference.output_token_ids, len(ids), (16, 8, 8, 8, 8)).entropy)
     q = [seen[int(f * (len(seen) - 1))] for f in (0.3, 0.4, 0.5, 0.6, 0.7)]
     bank = make_bank(model="tiny-vicuna")
     # the raw signal (beta 0) with thresholds inside its range, so the switching policies do switch

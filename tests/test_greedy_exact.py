@@ -21,7 +21,7 @@ import torch
 
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decoding import HydraDrafter, SpecDecoder
-from entmtp_ray.loading import load_model, load_model_heads
+from entmtp_ray.loading import draft_vocab_for, load_model, load_model_heads
 from entmtp_ray.policy import FixedTree
 from entmtp_ray.tree import make_topology
 
@@ -140,10 +140,11 @@ def test_one_node_tree_equals_generate(loaded, references):
 
 @pytest.mark.parametrize("tree", ["hydra", "medusa"])
 def test_default_trees_with_shipped_heads_equal_generate(loaded, references, tree):
-    """The real Hydra++ drafting path (prefix layer, grounded heads, bf16 draft projection) with the
-    heads shipped for the model, which are accepted often, so long paths are committed."""
+    """The real Hydra++ drafting path (prefix layer, grounded heads, the default draft vocabulary)
+    with the heads shipped for the model, which are accepted often, so long paths are committed."""
     heads = load_model_heads(loaded, None)
-    taus = run_tree(loaded, references, tree, lambda k, ids, want: HydraDrafter(heads, loaded.model))
+    vocab = draft_vocab_for(loaded.name, None, None)
+    taus = run_tree(loaded, references, tree, lambda k, ids, want: HydraDrafter(heads, loaded.model, vocab))
     assert sum(taus) / len(taus) > 1.5, f"shipped heads should be accepted often, got tau {taus}"
 
 
@@ -175,7 +176,7 @@ def test_entmtp_policies_with_shipped_banks_equal_generate(loaded, references, t
     from entmtp_ray.policy import make_policy
 
     bank = load_bank(default_bank_path(loaded.name, task), max_depth=4)
-    drafter = HydraDrafter(load_model_heads(loaded, None), loaded.model)
+    drafter = HydraDrafter(load_model_heads(loaded, None), loaded.model, draft_vocab_for(loaded.name, None, None))
     others = [s for s in sorted(bank.policy.signals) if s != bank.policy.signal]
     runs = [("entmtp-star", None, 2), ("entmtp-ladder", None, 2), ("entmtp-tau", None, 2)]
     runs += [(policy, signal, 1) for signal in others for policy in ("entmtp-ladder", "entmtp-tau")]

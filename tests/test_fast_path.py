@@ -1,0 +1,141 @@
+"""The fast path against its slow references: prepacked bf16 projections, fused q/k/v and gate/up
+weights (shared, and rebuilt when a weight changes), and drafting over a draft vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from entmtp_ray.decoding import HydraDrafter
+from entmtp_ray.heads import DRAFT_VOCAB_FILE, init_heads, load_draft_vocab, save_draft_vocab
+from entmtp_ray.kv_cache import KVCache
+from entmtp_ray.llama import Projection, forward_hidden, fused_projections, linear
+from entmtp_ray.tree import build_buffers, load_topology
+
+from conftest import make_tiny_llama
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 65])
+def test_packed_bf16_projection_is_bitwise_f_linear(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (0.05 * torch.randn(96, 80, generator=gen)).bfloat16()
+    bias = (0.1 * torch.randn(96, generator=gen)).bfloat16()
+    x = torch.randn(1, rows, 80, generator=gen).bfloat16()
+    projection = Projection.of(weight, bias)
+    assert projection.packed is not None
+    with torch.inference_mode():
+        assert torch.equal(projection(x), F.linear(x, weight, bias))
+
+
+def _hf_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(ids[None], output_hidden_states=True).hidden_states[-1][0]
+
+
+def _ours(model, ids: torch.Tensor) -> torch.Tensor:
+    cfg = model.config
+    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                    64, model.dtype, "cpu")
+    with torch.inference_mode():
+        return forward_hidden(model, cache, ids, torch.arange(ids.numel()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_matches_transformers_and_shares_weights(dtype):
+    model = make_tiny_llama(3).to(dtype)
+    ids = torch.arange(5, 25)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(_ours(model, ids), _hf_hidden(model, ids), atol=tol, rtol=tol)
+    layer = model.model.layers[0]
+    fused = fused_projections(layer)
+    storage = fused.qkv.weight.untyped_storage().data_ptr()
+    for part in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+        assert part.weight.untyped_storage().data_ptr() == storage  # views, not copies
+    assert fused.gate_up.weight.untyped_storage().data_ptr() == layer.mlp.up_proj.weight.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_changed_after_first_use_are_picked_up(dtype):
+    """In-place updates (training) and replaced tensors (`.to()`) both reach the fast path."""
+    model = make_tiny_llama(4).to(dtype)
+    ids = torch.arange(3, 15)
+    _ours(model, ids)  # builds the fused and packed weights
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # in place, through a view of the fused tensor
+        model.model.layers[1].mlp.down_proj.weight.mul_(-1.0)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(_ours(model, ids), _hf_hidden(model, ids), atol=tol, rtol=tol)
+    model.to(torch.float32)  # replaces every weight tensor
+    torch.testing.assert_close(_ours(model, ids), _hf_hidden(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_takes_layer_bias():
+    layer = torch.nn.Linear(7, 5)
+    x = torch.randn(2, 7)
+    torch.testing.assert_close(linear(x, layer), layer(x))
+
+
+# --- draft vocabulary -------------------------------------------------------------------------
+
+def _drafts(model, heads, vocab, tree="hydra"):
+    drafter = HydraDrafter(heads, model, vocab)
+    hidden = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        drafter.begin(hidden, torch.arange(6), capacity=64)
+        return drafter.draft(build_buffers(load_topology(tree, max_depth=4)), root=5)
+
+
+def test_draft_vocab_of_every_token_drafts_what_the_full_projection_drafts():
+    model = make_tiny_llama(5)
+    heads = init_heads(model, num_heads=4, seed=2).eval()
+    with torch.no_grad():
+        for p in heads.mlps.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    every = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(1)).tolist()
+    assert torch.equal(_drafts(model, heads, every), _drafts(model, heads, None))
+
+
+def test_draft_vocab_drafts_only_its_tokens():
+    model = make_tiny_llama(6)
+    heads = init_heads(model, num_heads=4, seed=3).eval()
+    vocab = list(range(0, 97, 3))  # 33 of 97 tokens
+    tokens = _drafts(model, heads, vocab)
+    assert set(tokens[1:].tolist()) <= set(vocab)
+
+
+def test_draft_vocab_file_round_trip_and_errors(tmp_path):
+    assert load_draft_vocab(tmp_path, None) is None  # no file: full vocabulary
+    assert load_draft_vocab(tmp_path, 0) is None
+    with pytest.raises(FileNotFoundError, match="jobs/draft_vocab.py"):
+        load_draft_vocab(tmp_path, 8)
+    save_draft_vocab([9, 4, 7, 1], [40, 30, 20, 10], tmp_path, {"sharegpt_conversations": 1}, default_size=3)
+    assert load_draft_vocab(tmp_path, None) == [9, 4, 7]
+    assert load_draft_vocab(tmp_path, 2) == [9, 4]
+    assert load_draft_vocab(tmp_path, 0) is None
+    with pytest.raises(ValueError, match="at most 4"):
+        load_draft_vocab(tmp_path, 5)
+    data = json.loads((tmp_path / DRAFT_VOCAB_FILE).read_text())
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps({**data, "format_version": 99}))
+    with pytest.raises(ValueError, match="rebuild"):
+        load_draft_vocab(tmp_path, None)
+
+
+def test_verifier_stats_match_the_softmax_definition():
+    from entmtp_ray.decoding import _verifier_stats
+
+    logits = 4 * torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = 60.0  # nearly one-hot
+    logits[2, :250] = float("-inf")  # masked tokens
+    logits[3] = 0.0  # uniform
+    probs = torch.softmax(logits.double(), -1)
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)
+    got_entropy, got_top1 = _verifier_stats(logits)
+    torch.testing.assert_close(torch.tensor(got_entropy, dtype=torch.double), entropy, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(got_top1, dtype=torch.double), probs.max(-1).values, atol=1e-6, rtol=1e-5)
+    assert abs(got_entropy[3] - torch.log(torch.tensor(300.0)).item()) < 1e-4
