@@ -92,9 +92,21 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX), where oneDNN's bf16
+    kernels beat fp32; elsewhere bf16 is emulated and slower."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() and torch.backends.mkldnn.is_available() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {['auto', *DTYPES]}")
     return DTYPES[dtype]
