@@ -178,16 +178,12 @@ def row_generator(seed: int, row_id: str, device) -> torch.Generator:
 
 
 def _verifier_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
-    """Entropy (nats) and top-1 probability of each row of logits [a, V] at T=1, in one exp pass:
-    with m the row max, e = exp(l - m) and Z = sum e, H = log Z - sum(e (l - m)) / Z and p1 = 1 / Z."""
-    shifted = logits.float()
-    shifted = shifted - shifted.max(-1, keepdim=True).values  # [a, V], <= 0
-    weights = shifted.exp()  # [a, V]
-    total = weights.sum(-1)  # [a]
-    # masked (-inf) logits have weight 0; their shifted value is -inf, so zero those products
-    spread = torch.where(weights > 0, weights * shifted, 0.0).sum(-1)  # [a]
-    entropy = total.log() - spread / total
-    return entropy.tolist(), total.reciprocal().tolist()
+    """Entropy (nats) and top-1 probability of each row of logits [a, V] at T=1, in fused kernels
+    (log_softmax, one dot product per row)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1).clamp_min_(-1e4)  # [a, V]; masked tokens: p = 0, finite
+    probs = log_probs.exp()
+    entropy = -torch.linalg.vecdot(probs, log_probs)  # [a]
+    return entropy.tolist(), probs.amax(-1).tolist()
 
 
 class SpecDecoder:
