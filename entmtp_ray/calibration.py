@@ -5,7 +5,8 @@ position t is a possible decoding step: the committed prefix ends at t, the root
 and head k (drafting depth k+1, grounded on the true tokens t+1..t+1+k) should rank token
 t+2+k first. One teacher-forced pass over the rollout gives those ranks for every t and depth
 at once; growth.py turns them into trees. The numerics are the decoder's own (its forward, its
-prefix-layer context, the drafter's vocab projection), so the table predicts what decoding does.
+prefix-layer context, the drafter's vocab projection and draft vocabulary), so the table predicts
+what decoding does.
 """
 
 from __future__ import annotations
@@ -77,10 +78,9 @@ def _rank_rows(decoder, token_ids, first, max_ranks) -> tuple[list[list[int]], t
         if t.numel() == 0:
             break
         rows = torch.cat([context[t]] + [embeds[t + 1 + j] for j in range(k + 1)], dim=-1)  # [m_k, (k+2)H]
-        logits = heads.project(k, heads.head_hidden(k, rows).to(drafter.lm_head.weight.dtype), drafter.lm_head)
-        # rank as drafting ranks: the position in topk's order, which also settles ties the way the
-        # drafter does (bf16 logits tie often)
-        top = logits.topk(max_ranks[k], dim=-1).indices  # [m_k, max_rank]
+        # rank as drafting ranks (the drafter's own top-k, over its draft vocabulary): the position in
+        # topk's order, which also settles ties the way the drafter does (bf16 logits tie often)
+        top = drafter.top_tokens(k, heads.head_hidden(k, rows), max_ranks[k])  # [m_k, max_rank]
         hit = top == ids[t + 2 + k][:, None]  # [m_k, max_rank]
         ranks[: t.numel(), k] = torch.where(hit.any(-1), hit.int().argmax(-1), NOT_RANKED)
     out = []

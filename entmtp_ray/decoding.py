@@ -149,14 +149,15 @@ class HydraDrafter:
             parents, d = paths.shape
             rows = torch.cat([self.context.expand(parents, -1), self.embed(paths).reshape(parents, -1)], dim=-1)
             hidden = self.heads.head_hidden(level.head_index, rows)  # [parents, H]
-            if self.projections is None:
-                logits = self.heads.project(level.head_index, hidden, self.lm_head)  # [parents, V]
-                top = logits.topk(level.top_k, dim=-1).indices.reshape(-1)  # [parents * top_k]
-            else:
-                logits = linear(hidden, self.projections[level.head_index])  # [parents, K]
-                top = self.vocab_ids[logits.topk(level.top_k, dim=-1).indices.reshape(-1)]  # [parents * top_k]
+            top = self.top_tokens(level.head_index, hidden, level.top_k).reshape(-1)  # [parents * top_k]
             tokens[level.node_start: level.node_start + level.child_select.numel()] = top[level.child_select]
         return tokens
+
+    def top_tokens(self, head: int, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Head `head`'s k best tokens ([rows, k], best first) from its trunk output hidden [rows, H]."""
+        if self.projections is None:
+            return self.heads.project(head, hidden, self.lm_head).topk(k, dim=-1).indices  # over [rows, V]
+        return self.vocab_ids[linear(hidden, self.projections[head]).topk(k, dim=-1).indices]  # over [rows, K]
 
 
 def _row_subset(layer: torch.nn.Linear, rows: torch.Tensor) -> torch.nn.Linear:
