@@ -28,8 +28,9 @@ class StepTrace:
     tree: str
     nodes: int
     accepted_length: int  # tokens this step added to the output (accepted drafts + the bonus token)
-    entropy: list[float]  # verifier next-token entropy (nats, T=1) at each accepted position; [] unless
-    top1_prob: list[float]  # verifier top-1 probability (T=1) at each accepted position; the policy reads_signal
+    # the verifier at each accepted position (T=1), each [] unless the policy's signal_stat names it:
+    entropy: list[float]  # next-token entropy (nats)
+    top1_prob: list[float]  # top-1 probability
 
 
 @dataclass
@@ -187,6 +188,12 @@ def _verifier_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
     return entropy.tolist(), probs.amax(-1).tolist()
 
 
+def _top1_probs(logits: torch.Tensor) -> list[float]:
+    """Top-1 probability of each row of logits [a, V] at T=1: exp(max - logsumexp), no softmax written."""
+    logits = logits.float()
+    return (logits.amax(-1) - torch.logsumexp(logits, dim=-1)).exp().tolist()
+
+
 class SpecDecoder:
     """Holds a model, its drafter and every tree a policy may pick (buffers built once)."""
 
@@ -285,9 +292,13 @@ class SpecDecoder:
             finish = _extend(output, new_tokens, eos, max_new)
             tick = time.perf_counter()
             entropy = top1 = []
-            if self.policy.reads_signal:
+            if self.policy.signal_stat is not None:
                 rows = buffers.row_of_node[accepted[:-1]]
-                entropy, top1 = _verifier_stats(torch.cat([scored_logits[rows], last_logits[None]]))
+                logits = torch.cat([scored_logits[rows], last_logits[None]])  # [a, V]
+                if self.policy.signal_stat == "top1":
+                    top1 = _top1_probs(logits)
+                else:
+                    entropy = _verifier_stats(logits)[0]
             steps.append(StepTrace(buffers.topology.name, buffers.num_nodes, len(output) - before, entropy, top1))
             self.policy.observe(steps[-1])
             schedule_s += time.perf_counter() - tick

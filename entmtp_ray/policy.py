@@ -26,7 +26,9 @@ class StepView(Protocol):
 
 class Policy(Protocol):
     name: str
-    reads_signal: bool  # whether observe() reads the verifier's entropy / top-1 (else the decoder skips them)
+    # the verifier statistic observe() reads ("entropy" or "top1"), None when it reads none; the
+    # decoder computes only that one, so a policy with nothing to switch costs what a fixed tree does
+    signal_stat: str | None
 
     def trees(self) -> list[str]: ...
 
@@ -40,7 +42,7 @@ class Policy(Protocol):
 class FixedTree:
     """The same tree every step (AR, Hydra's and Medusa's defaults, any tree file)."""
 
-    reads_signal = False
+    signal_stat = None
 
     def __init__(self, name: str, tree: str):
         self.name = name
@@ -63,6 +65,8 @@ class FixedTree:
 
 class Signal:
     """A running estimate updated after every step: s <- beta*s + (1-beta)*x for each observation x."""
+
+    stat = "entropy"  # the StepView field its observations come from: "entropy" or "top1"
 
     def __init__(self, beta: float = 0.9, initial: float = 0.0):
         if not 0.0 <= beta < 1.0:
@@ -92,6 +96,8 @@ class EntropySignal(Signal):
 class Top1Signal(Signal):
     """1 - the verifier's top-1 probability at each accepted token."""
 
+    stat = "top1"
+
     def observations(self, step: StepView) -> list[float]:
         return [1.0 - p for p in step.top1_prob]
 
@@ -99,6 +105,8 @@ class Top1Signal(Signal):
 class PathSignal(Signal):
     """1 - the step's path value, EAGLE-2 style: the product of top-1 probabilities along the
     accepted path (one observation per step)."""
+
+    stat = "top1"
 
     def observations(self, step: StepView) -> list[float]:
         value = 1.0
@@ -118,14 +126,13 @@ def make_signal(name: str, beta: float = 0.9, initial: float = 0.0) -> Signal:
 
 class LadderPolicy:
     """K trees for K intervals of the signal: trees[i] while thresholds[i-1] <= s < thresholds[i]
-    (trees ordered from the most confident interval to the least)."""
-
-    reads_signal = True
+    (trees ordered from the most confident interval to the least). A ladder of one tree reads no signal."""
 
     def __init__(self, name: str, trees: list[str], thresholds: list[float], signal: Signal):
         if len(trees) != len(thresholds) + 1 or list(thresholds) != sorted(thresholds):
             raise ValueError("a ladder needs K trees and K-1 ascending thresholds")
         self.name, self._trees, self.thresholds, self.signal = name, list(trees), list(thresholds), signal
+        self.signal_stat = signal.stat if len(set(trees)) > 1 else None
         self.current = self._pick()
 
     def _pick(self) -> str:
@@ -142,15 +149,15 @@ class LadderPolicy:
         return self.current
 
     def observe(self, step: StepView) -> None:
-        self.signal.update(step)
-        self.current = self._pick()
+        if self.signal_stat is not None:
+            self.signal.update(step)
+            self.current = self._pick()
 
 
 class HysteresisPolicy:
     """Two trees with hysteresis: go aggressive once s <= tau_on, back to conservative once
-    s >= tau_off (tau_on < tau_off), so a signal wandering between them never flips the tree."""
-
-    reads_signal = True
+    s >= tau_off (tau_on < tau_off), so a signal wandering between them never flips the tree.
+    When the two trees are the same (a bank whose sweep found no pair faster), it reads no signal."""
 
     def __init__(self, name: str, conservative: str, aggressive: str, tau_on: float, tau_off: float,
                  signal: Signal, start_aggressive: bool = False):
@@ -159,6 +166,7 @@ class HysteresisPolicy:
         self.name, self.conservative, self.aggressive = name, conservative, aggressive
         self.tau_on, self.tau_off, self.signal, self.start_aggressive = tau_on, tau_off, signal, start_aggressive
         self.is_aggressive = start_aggressive
+        self.signal_stat = signal.stat if conservative != aggressive else None
 
     def trees(self) -> list[str]:
         return list(dict.fromkeys([self.conservative, self.aggressive]))
@@ -171,6 +179,8 @@ class HysteresisPolicy:
         return self.aggressive if self.is_aggressive else self.conservative
 
     def observe(self, step: StepView) -> None:
+        if self.signal_stat is None:
+            return
         s = self.signal.update(step)
         if self.is_aggressive and s >= self.tau_off:
             self.is_aggressive = False

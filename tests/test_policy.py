@@ -67,3 +67,17 @@ def test_ladder_picks_the_interval_of_the_signal():
     assert policy.trees() == ["big", "mid", "small"]
     with pytest.raises(ValueError, match="K-1 ascending"):
         LadderPolicy("x", ["a", "b"], [2.0, 1.0], make_signal("entropy"))
+
+
+def test_a_policy_reads_only_its_signals_statistic_and_none_when_it_cannot_switch():
+    """The decoder computes the verifier statistic a policy names and no other; a bank whose sweep
+    chose one tree for every regime gets a policy that costs what a fixed tree costs."""
+    assert HysteresisPolicy("t", "a", "b", 1.0, 2.0, make_signal("entropy")).signal_stat == "entropy"
+    assert HysteresisPolicy("t", "a", "b", 0.1, 0.2, make_signal("path")).signal_stat == "top1"
+    assert LadderPolicy("l", ["a", "b"], [0.5], make_signal("top1")).signal_stat == "top1"
+    same = HysteresisPolicy("t", "a", "a", 1.0, 2.0, make_signal("entropy", initial=1.5))
+    one = LadderPolicy("l", ["a"], [], make_signal("entropy", initial=1.5))
+    for policy in (same, one):
+        assert policy.signal_stat is None
+        policy.observe(Step(entropy=()))  # what the decoder passes when no statistic is read
+        assert policy.signal.value == 1.5 and policy.choose() == "a"
