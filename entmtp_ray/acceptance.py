@@ -15,6 +15,20 @@ TYPICAL_EPSILON = 0.09
 TYPICAL_ALPHA = 0.3
 
 
+def greedy_up_to_tie(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whether each token ([...]) is the argmax of its row of logits ([..., V]) up to a float tie.
+
+    A tie: within 2 units in the last place of the dtype the logits were computed in (in bf16 a
+    logit of 13 is representable only to 0.0625, so a tree step's multi-row attention and a
+    one-token step can round two candidates into either order), and never less than 1e-4 (fp32
+    reduction-order noise). This is the one rule every greedy-exactness check applies.
+    """
+    logits = logits.float()
+    best = logits.amax(-1)  # [...]
+    tolerance = (2 * torch.finfo(dtype).eps * best.abs()).clamp_min(1e-4)
+    return logits.gather(-1, tokens[..., None])[..., 0] >= best - tolerance
+
+
 def _path_parts(tokens, row_of_node, retrieve):
     parent = retrieve[:, :-1]  # [paths, depth]
     child = retrieve[:, 1:]  # [paths, depth], -1 = pad

@@ -223,15 +223,18 @@ def signal_quantiles(rollouts, name: str, beta: float) -> list[float]:
 
 
 def choose_policies(rollouts, trees: dict[str, frozenset], step_seconds: dict[str, float], prefill_seconds: float,
-                    frontier: list[str], beta: float = 0.9, top: int = 6) -> tuple[PolicyParams, dict]:
+                    frontier: list[str], beta: float = 0.9, top: int = 6,
+                    lengths: list[dict[str, list[int]]] | None = None) -> tuple[PolicyParams, dict]:
     """Sweep the star tree, the ladder and the hysteresis pair per signal on the calibration
-    rollouts; the highest replayed tokens/s wins each. Returns the settings and the sweep's figures."""
+    rollouts; the highest replayed tokens/s wins each. Returns the settings and the sweep's figures.
+    `lengths`: growth.accepted_lengths per rollout when the caller already has them."""
     from itertools import combinations
 
     from .growth import accepted_lengths
     from .policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
 
-    lengths = [accepted_lengths(r.rows, trees) for r in rollouts]
+    if lengths is None:
+        lengths = [accepted_lengths(r.rows, trees) for r in rollouts]
 
     def rate(policy) -> float:
         return replay_all(rollouts, policy, trees, step_seconds, prefill_seconds, lengths).tokens_per_s

@@ -38,7 +38,7 @@ from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig  # noqa: E4
 from entmtp_ray.decoding import SpecDecoder, row_generator  # noqa: E402
 from entmtp_ray.engine import Engine  # noqa: E402
 from entmtp_ray.loading import PROJECT_ROOT  # noqa: E402
-from entmtp_ray.growth import AcceptanceTable, grow_trees, pareto_frontier  # noqa: E402
+from entmtp_ray.growth import AcceptanceTable, accepted_lengths, grow_trees, pareto_frontier  # noqa: E402
 from entmtp_ray.policy import FixedTree  # noqa: E402
 from entmtp_ray.tasks import TASKS, load_prompts  # noqa: E402
 from entmtp_ray.tree import make_topology  # noqa: E402
@@ -151,12 +151,13 @@ def main(argv=None) -> int:
     seconds, prefill = step_seconds(engine, trees, prompts, min(64, args.max_new_tokens), work)
 
     stats = {}
+    lengths = [accepted_lengths(r.rows, trees) for r in measured]  # every tree's replay, shared by the sweep
     for name, paths in trees.items():
-        r = replay_all(measured, FixedTree(name, name), trees, seconds, prefill * len(measured))
+        r = replay_all(measured, FixedTree(name, name), trees, seconds, prefill * len(measured), lengths)
         stats[name] = {"tau": r.tau, "tokens_per_s": r.tokens_per_s, "tau_grown": table_.accepted_length(paths)}
     names = list(trees)
     frontier = [names[i] for i in pareto_frontier([(len(trees[n]) + 1, stats[n]["tau"]) for n in names])]
-    policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier)
+    policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier, lengths=lengths)
     bank = Bank(
         model=Path(args.model).name, heads=project_relative(engine.heads_label), task=args.task,
         hardware=current_hardware(engine.loaded.device, engine.loaded.dtype),

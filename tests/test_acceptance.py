@@ -279,3 +279,14 @@ def test_next_token_sampling_frequencies_follow_temperature():
     draws = torch.tensor([next_token(logits, 0.5, gen) for _ in range(n)])
     expected = torch.softmax(logits / 0.5, -1)[2].item()  # e^2 / (e^2 + 7) ~ 0.51
     assert abs((draws == 2).float().mean().item() - expected) < 0.03
+
+
+def test_a_float_tie_is_two_units_in_the_last_place_of_the_logits_dtype():
+    from entmtp_ray.acceptance import greedy_up_to_tie
+
+    logits = torch.tensor([[13.0, 13.0 - 0.12, 1.0], [13.0, 13.0 - 0.3, 1.0], [0.5, 0.5 - 5e-5, 0.0]])
+    tokens = torch.tensor([1, 1, 1])
+    # bf16 eps is 2**-7: 2 ulps of 13 are 0.203; fp32's are 3e-6, so its 1e-4 floor decides
+    assert greedy_up_to_tie(logits, tokens, torch.bfloat16).tolist() == [True, False, True]
+    assert greedy_up_to_tie(logits, tokens, torch.float32).tolist() == [False, False, True]
+    assert greedy_up_to_tie(logits, torch.tensor([2, 0, 2]), torch.bfloat16).tolist() == [False, True, False]

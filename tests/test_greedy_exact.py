@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from entmtp_ray.acceptance import greedy_up_to_tie
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decoding import HydraDrafter, SpecDecoder
 from entmtp_ray.loading import draft_vocab_for, load_model, load_model_heads
@@ -30,7 +31,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = [json.loads(line)["prompt"] for line in
            (Path(__file__).parent.parent / "examples" / "bench_prompts.jsonl").read_text().splitlines()]
 MAX_NEW = 128
-TIE_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +111,8 @@ def assert_same_or_tie(got: list[int], want: list[int], logits: list[torch.Tenso
     assert first < len(logits), f"{label}: lengths differ ({len(got)} vs {len(want)}) with equal prefix"
     top2 = logits[first].float().topk(2).values
     gap = float(top2[0] - top2[1])
-    # the model computes logits in `dtype` (generate hands them back as fp32): in bf16 a logit of 13
-    # is only representable to 0.0625, so a tie is anything within 2 of its units in the last place
-    tolerance = max(TIE_TOLERANCE, 2 * torch.finfo(dtype).eps * float(top2[0].abs()))
-    assert gap <= tolerance, (
+    # the model computes logits in `dtype` (generate hands them back as fp32)
+    assert bool(greedy_up_to_tie(logits[first], torch.tensor(got[first]), dtype)), (
         f"{label}: token {first} is {got[first]} but greedy gives {want[first]} (top-2 logit gap {gap:.2e}, "
         "not a floating-point tie)")
     warnings.warn(f"{label}: floating-point tie at token {first} (top-2 logit gap {gap:.2e})", stacklevel=2)
@@ -206,10 +204,9 @@ def assert_greedy_in_bf16(loaded, ids: list[int], got: list[int], label: str):
     """
     with torch.inference_mode():
         logits = loaded.model(torch.tensor([ids + got])).logits[0, len(ids) - 1: len(ids) - 1 + len(got)].float()
-    best = logits.max(-1).values  # [len(got)]
-    gaps = best - logits.gather(-1, torch.tensor(got)[:, None])[:, 0]
-    tolerance = 2 * torch.finfo(torch.bfloat16).eps * best.abs()
-    bad = (gaps > tolerance).nonzero().flatten().tolist()
+    tokens = torch.tensor(got)  # [len(got)]
+    bad = (~greedy_up_to_tie(logits, tokens, torch.bfloat16)).nonzero().flatten().tolist()
+    gaps = logits.max(-1).values - logits.gather(-1, tokens[:, None])[:, 0]
     assert not bad, f"{label}: token {bad[0]} ({got[bad[0]]}) is {float(gaps[bad[0]]):.3f} below the argmax, not a tie"
 
 
