@@ -41,6 +41,8 @@ def add_decoding_args(p: argparse.ArgumentParser, task_flag: bool = True) -> Non
     g.add_argument("--bank", default=None, help="bank file for the entmtp policies (default: banks/<model>/<task>.json)")
     g.add_argument("--signal", default=None, choices=["entropy", "top1", "path"],
                    help="scheduling signal of the entmtp policies (default: the bank's)")
+    g.add_argument("--trace-signal", action="store_true",
+                   help="record the signal before every step (step_signals) for any policy, for reports")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--acceptance", default="greedy", choices=["greedy", "typical"])
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -49,15 +51,7 @@ def add_decoding_args(p: argparse.ArgumentParser, task_flag: bool = True) -> Non
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("input")
-    g.add_argument("--task", default=None, help="gsm8k | humaneval | sharegpt")
-    g.add_argument("--dataset", default=None, help="Parquet/JSONL/CSV path or hub id (with --task: that task's "
-                   "data from a local copy)")
-    g.add_argument("--split", default="test")
-    g.add_argument("--prompt-column", default="prompt")
-    g.add_argument("--id-column", default=None, help="unique id column; absent -> stable generated ids")
-    g.add_argument("--messages-column", default=None, help="column of chat turns instead of --prompt-column")
-    g.add_argument("--limit", type=int, default=None, help="sample N rows, deterministic with --seed")
+    add_input_args(p)
     g = p.add_argument_group("execution")
     g.add_argument("--output", required=True, help="output directory (a Parquet dataset)")
     g.add_argument("--resume", action="store_true", help="complete a partial --output without redoing rows")
@@ -66,6 +60,19 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpus-per-actor", type=float, default=1.0)
     g.add_argument("--gpus-per-actor", type=float, default=0.0)
     g.add_argument("--address", default=None, help="Ray cluster to join ('auto' under ray job submit)")
+
+
+def add_input_args(p: argparse.ArgumentParser, split: str = "test") -> None:
+    """The prompt-source flags of jobs/generate.py (the benchmark takes the same)."""
+    g = p.add_argument_group("input")
+    g.add_argument("--task", default=None, help="gsm8k | humaneval | sharegpt")
+    g.add_argument("--dataset", default=None, help="Parquet/JSONL/CSV path or hub id (with --task: that task's "
+                   "data from a local copy)")
+    g.add_argument("--split", default=split)
+    g.add_argument("--prompt-column", default="prompt")
+    g.add_argument("--id-column", default=None, help="unique id column; absent -> stable generated ids")
+    g.add_argument("--messages-column", default=None, help="column of chat turns instead of --prompt-column")
+    g.add_argument("--limit", type=int, default=None, help="sample N rows, deterministic with --seed")
 
 
 def job_config_from_args(args) -> JobConfig:
@@ -84,7 +91,7 @@ def model_config_from_args(args) -> ModelConfig:
 def configs_from_args(args) -> tuple[ModelConfig, DecodingConfig]:
     model_cfg = model_config_from_args(args)
     decoding = DecodingConfig(policy=args.policy, tree=args.tree, task=args.task, bank=args.bank, signal=args.signal,
-                              temperature=args.temperature,
+                              trace_signal=args.trace_signal, temperature=args.temperature,
                               acceptance=args.acceptance, max_new_tokens=args.max_new_tokens,
                               max_input_tokens=args.max_input_tokens, seed=args.seed)
     return model_cfg, decoding

@@ -35,6 +35,10 @@ class DecodingConfig(BaseModel):
     bank: str | None = Field(None, description="bank file for the entmtp policies instead of the task's shipped one")
     signal: Literal["entropy", "top1", "path"] | None = Field(
         None, description="scheduling signal instead of the bank's default (the bank holds settings per signal)")
+    trace_signal: bool = Field(
+        False, description="record the scheduling signal before every step (Parquet step_signals) even when the "
+        "policy reads none, e.g. to relate accepted length to entropy for AR or Hydra's tree; costs one verifier "
+        "statistic per step. EntMTP policies that switch trees record it anyway")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output equals plain greedy decoding)")
     acceptance: Literal["greedy", "typical"] = Field(
         "greedy", description="greedy needs T=0; typical (Hydra/Medusa) is fast at T>0 but not "

@@ -17,9 +17,9 @@ from .acceptance import greedy_accept, next_token, typical_accept
 from .config import DecodingConfig
 from .heads import HydraHeads
 from .kv_cache import KVCache
-from .llama import forward_hidden, linear
+from .llama import forward_hidden, linear, prepare
 from .loading import LoadedModel
-from .policy import Policy
+from .policy import Policy, Signal, make_signal
 from .tree import TreeBuffers, build_buffers, chain_topology, load_topology
 
 
@@ -31,6 +31,7 @@ class StepTrace:
     # the verifier at each accepted position (T=1), each [] unless the policy's signal_stat names it:
     entropy: list[float]  # next-token entropy (nats)
     top1_prob: list[float]  # top-1 probability
+    signal: float | None = None  # the scheduling signal when this step's tree was chosen (None: not traced)
 
 
 @dataclass
@@ -73,6 +74,15 @@ class GenerationResult:
         for s in self.steps:
             usage[s.tree] = usage.get(s.tree, 0) + 1
         return usage
+
+    def step_accepted_lengths(self) -> list[int]:
+        return [s.accepted_length for s in self.steps]
+
+    def step_signals(self) -> list[float] | None:
+        """The signal before each step, when it was traced (an EntMTP policy that switches, or cfg.trace_signal)."""
+        if not self.steps or self.steps[0].signal is None:
+            return None
+        return [s.signal for s in self.steps]
 
     def tree_switches(self) -> int:
         return sum(a.tree != b.tree for a, b in zip(self.steps, self.steps[1:]))
@@ -221,6 +231,18 @@ class SpecDecoder:
         self.cache.reset()
         return self.cache
 
+    def _tracer(self, cfg: DecodingConfig) -> tuple[Signal | None, bool]:
+        """The signal whose value each step records, and whether the decoder (not the policy) updates it."""
+        if self.policy.signal_stat is not None:
+            return self.policy.signal, False
+        if not cfg.trace_signal:
+            return None, False
+        own = getattr(self.policy, "signal", None)  # a bank policy with one tree still knows its signal
+        if own is None:
+            return make_signal(cfg.signal or "entropy"), True
+        own.reset()
+        return own, True
+
     def _sync(self) -> None:
         if self.loaded.device.type == "cuda":
             torch.cuda.synchronize(self.loaded.device)
@@ -235,7 +257,7 @@ class SpecDecoder:
     def generate(self, prompt_ids: list[int], cfg: DecodingConfig,
                  generator: torch.Generator | None = None) -> GenerationResult:
         model, dev = self.loaded.model, self.loaded.device
-        lm_head, eos = model.lm_head, self.loaded.eos_token_ids
+        eos = self.loaded.eos_token_ids
         max_new = cfg.max_new_tokens
         capacity = min(self.loaded.max_positions, len(prompt_ids) + max_new + self.max_nodes)
         if len(prompt_ids) >= capacity:
@@ -245,12 +267,14 @@ class SpecDecoder:
         start = time.perf_counter()
 
         # 0) prefill: the prompt, causally; its last logits give the first token (the first root)
+        plan = prepare(model)  # weights checked once per generation, not per step
+        lm_head = plan.lm_head
         cache = self._cache_for(capacity)
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)  # [p]
         positions = torch.arange(prompt.numel(), device=dev)  # [p]
-        hidden = forward_hidden(model, cache, prompt, positions)  # [p, H]
+        hidden = forward_hidden(model, cache, prompt, positions, plan=plan)  # [p, H]
         cache.keep(positions)
-        root = next_token(linear(hidden[-1], lm_head), cfg.temperature, generator)
+        root = next_token(lm_head(hidden[-1]), cfg.temperature, generator)
         self.drafter.begin(hidden, positions, capacity)
         output: list[int] = []
         finish = _extend(output, [root], eos, max_new)
@@ -259,9 +283,12 @@ class SpecDecoder:
 
         steps: list[StepTrace] = []
         schedule_s = 0.0
+        tracer, own_tracer = self._tracer(cfg)
+        stat = tracer.stat if tracer is not None else None
         while finish is None:
             # 1) choose the tree; near the end of the context fall back to one node
             tick = time.perf_counter()
+            signal = tracer.value if tracer is not None else None
             spec = self.policy.choose()
             schedule_s += time.perf_counter() - tick
             buffers = self.buffers[spec]
@@ -275,13 +302,13 @@ class SpecDecoder:
             tokens = self.drafter.draft(buffers, root)  # [n]
             # 3) verify the whole tree in one forward under the tree mask
             positions = committed + buffers.depth_of  # [n]
-            hidden = forward_hidden(model, cache, tokens, positions, buffers.tree_mask)  # [n, H]
-            scored_logits = linear(hidden[buffers.scored_nodes], lm_head)  # [scored, V]
+            hidden = forward_hidden(model, cache, tokens, positions, buffers.tree_mask, plan)  # [n, H]
+            scored_logits = lm_head(hidden[buffers.scored_nodes])  # [scored, V]
             # 4) accept a path, then pick the token after it
             accepted = self._accept(tokens, scored_logits, buffers, cfg)  # [a] node indices, root first
             last = int(accepted[-1])
             last_row = int(buffers.row_of_node[last])
-            last_logits = scored_logits[last_row] if last_row >= 0 else linear(hidden[last], lm_head)  # [V]
+            last_logits = scored_logits[last_row] if last_row >= 0 else lm_head(hidden[last])  # [V]
             root = next_token(last_logits, cfg.temperature, generator)
             # 5) commit the accepted path to both caches
             cache.keep(accepted)
@@ -292,15 +319,18 @@ class SpecDecoder:
             finish = _extend(output, new_tokens, eos, max_new)
             tick = time.perf_counter()
             entropy = top1 = []
-            if self.policy.signal_stat is not None:
+            if stat is not None:
                 rows = buffers.row_of_node[accepted[:-1]]
                 logits = torch.cat([scored_logits[rows], last_logits[None]])  # [a, V]
-                if self.policy.signal_stat == "top1":
+                if stat == "top1":
                     top1 = _top1_probs(logits)
                 else:
                     entropy = _verifier_stats(logits)[0]
-            steps.append(StepTrace(buffers.topology.name, buffers.num_nodes, len(output) - before, entropy, top1))
+            steps.append(StepTrace(buffers.topology.name, buffers.num_nodes, len(output) - before, entropy, top1,
+                                   signal))
             self.policy.observe(steps[-1])
+            if own_tracer:
+                tracer.update(steps[-1])
             schedule_s += time.perf_counter() - tick
 
         self._sync()

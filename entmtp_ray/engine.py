@@ -16,6 +16,7 @@ from .config import DecodingConfig, ModelConfig
 from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
 from .loading import (
     UNTRAINED_HEADS,
+    LoadedModel,
     available_depth,
     draft_vocab_for,
     load_model,
@@ -52,6 +53,22 @@ def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[Policy,
     return policy, needs_heads, bank_path, bank
 
 
+def encode_checked(loaded: LoadedModel, prompt, max_input_tokens: int) -> list[int]:
+    """Prompt ids for one user message (or a list of chat turns); ValueError says why a prompt is bad."""
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t.get("content"), str) for t in prompt):
+            raise ValueError("messages must be a non-empty list of {role, content} turns")
+    elif not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    elif not prompt.strip():
+        raise ValueError("empty prompt: nothing to generate from")
+    ids = loaded.encode_prompt(prompt)
+    if len(ids) > max_input_tokens:
+        raise ValueError(f"prompt has {len(ids)} tokens, over --max-input-tokens {max_input_tokens}; shorten it or "
+                         "raise --max-input-tokens")
+    return ids
+
+
 class Engine:
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig):
         self.model_cfg = model_cfg
@@ -82,19 +99,7 @@ class Engine:
 
     def encode(self, prompt) -> list[int]:
         """Prompt ids for one user message (or a list of chat turns); ValueError says why a prompt is bad."""
-        if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t.get("content"), str) for t in prompt):
-                raise ValueError("messages must be a non-empty list of {role, content} turns")
-        elif not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        elif not prompt.strip():
-            raise ValueError("empty prompt: nothing to generate from")
-        ids = self.loaded.encode_prompt(prompt)
-        limit = self.decoding.max_input_tokens
-        if len(ids) > limit:
-            raise ValueError(f"prompt has {len(ids)} tokens, over --max-input-tokens {limit}; shorten it or "
-                             "raise --max-input-tokens")
-        return ids
+        return encode_checked(self.loaded, prompt, self.decoding.max_input_tokens)
 
     def generate(self, row_id, prompt) -> GenerationResult:
         ids = self.encode(prompt)

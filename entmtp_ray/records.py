@@ -9,6 +9,7 @@ from .decoding import GenerationResult
 
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()),
+    ("task", pa.string()),  # --task, null for a plain --dataset run
     ("prompt", pa.string()),
     ("output_text", pa.string()),
     ("output_token_ids", pa.list_(pa.int64())),
@@ -22,12 +23,16 @@ OUTPUT_SCHEMA = pa.schema([
     ("heads", pa.string()),
     ("bank", pa.string()),
     ("steps", pa.int64()),
+    ("verified_nodes", pa.int64()),  # tree nodes verified over all steps (nodes per step = this / steps)
     ("mean_accepted_length", pa.float64()),
     ("accepted_per_position", pa.list_(pa.float64())),  # [depth]: fraction of steps accepting depth i+1
     ("tree_usage", pa.map_(pa.string(), pa.int64())),  # tree name -> steps
     ("tree_switches", pa.int64()),
+    ("step_accepted_lengths", pa.list_(pa.int64())),  # [steps] tokens each step committed, bonus included
+    ("step_signals", pa.list_(pa.float64())),  # [steps] scheduling signal before each step; null if not traced
     ("prefill_s", pa.float64()),
     ("decode_s", pa.float64()),
+    ("schedule_s", pa.float64()),  # inside decode_s: choosing trees and the verifier statistic the signal reads
     ("total_s", pa.float64()),
     ("tokens_per_s", pa.float64()),  # output tokens / total_s
     ("started_at", pa.float64()),  # unix seconds when the row started decoding
@@ -41,6 +46,7 @@ def _base(context: dict) -> dict:
     decoding = context["decoding"]
     return {
         "id": context["id"],
+        "task": decoding.task,
         "prompt": context["prompt"],
         "policy": decoding.policy,
         "temperature": decoding.temperature,
@@ -62,12 +68,16 @@ def result_row(context: dict, result: GenerationResult) -> dict:
         "num_output_tokens": result.num_output_tokens,
         "finish_reason": result.finish_reason,
         "steps": len(result.steps),
+        "verified_nodes": sum(s.nodes for s in result.steps),
         "mean_accepted_length": result.mean_accepted_length,
         "accepted_per_position": result.accepted_per_position(context["max_depth"]),
         "tree_usage": result.tree_usage(),
         "tree_switches": result.tree_switches(),
+        "step_accepted_lengths": result.step_accepted_lengths(),
+        "step_signals": result.step_signals(),
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
+        "schedule_s": result.schedule_s,
         "total_s": result.total_s,
         "tokens_per_s": result.tokens_per_s,
         "error": None,
@@ -83,12 +93,16 @@ def error_row(context: dict, error: str) -> dict:
         "num_output_tokens": 0,
         "finish_reason": "error",
         "steps": 0,
+        "verified_nodes": 0,
         "mean_accepted_length": None,
         "accepted_per_position": None,
         "tree_usage": None,
         "tree_switches": 0,
+        "step_accepted_lengths": None,
+        "step_signals": None,
         "prefill_s": None,
         "decode_s": None,
+        "schedule_s": None,
         "total_s": None,
         "tokens_per_s": None,
         "error": error,

@@ -10,6 +10,7 @@ repeats. The last stdout line is a JSON summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -33,16 +34,18 @@ class Timers:
     def __init__(self):
         self.calls = defaultdict(list)
 
-    def wrap(self, owner, name, label):
-        original = getattr(owner, name)
-
+    def timed(self, fn, label):
         def timed(*args, **kwargs):
             start = time.perf_counter()
-            out = original(*args, **kwargs)
+            out = fn(*args, **kwargs)
             self.calls[label].append(time.perf_counter() - start)
             return out
 
-        setattr(owner, name, timed)
+        return timed
+
+    def wrap(self, owner, name, label):
+        original = getattr(owner, name)
+        setattr(owner, name, self.timed(original, label))
         return original
 
 
@@ -66,9 +69,13 @@ def ar_vs_generate(loaded, prompts, max_new, repeats):
 def step_breakdown(loaded, heads, prompts, max_new, tree):
     """Mean ms per step: base forward, lm_head, drafting, and everything else."""
     timers = Timers()
+    prepare = decoding.prepare
     originals = [timers.wrap(decoding, "forward_hidden", "base_forward"),
-                 timers.wrap(decoding, "linear", "lm_head"),
+                 prepare,
                  timers.wrap(HydraDrafter, "draft", "draft")]
+    # the decoder calls the lm_head through its plan: time the plan's
+    decoding.prepare = lambda model: dataclasses.replace(prepare(model),
+                                                         lm_head=timers.timed(prepare(model).lm_head, "lm_head"))
     try:
         drafter = HydraDrafter(heads, loaded.model) if tree != "ar" else None
         decoder = SpecDecoder(loaded, drafter, FixedTree(tree, tree))
@@ -83,7 +90,7 @@ def step_breakdown(loaded, heads, prompts, max_new, tree):
                 # the prefill makes the first base forward and the first lm_head call; it is no step
                 parts[label] += sum(calls[1:] if label in ("base_forward", "lm_head") else calls)
     finally:
-        decoding.forward_hidden, decoding.linear, HydraDrafter.draft = originals
+        decoding.forward_hidden, decoding.prepare, HydraDrafter.draft = originals
     per_step = {k: 1e3 * v / steps for k, v in parts.items()}
     per_step["step_total"] = 1e3 * decode_s / steps
     per_step["outside_base_forward"] = per_step["step_total"] - per_step.get("base_forward", 0.0)

@@ -51,3 +51,33 @@ def test_typical_sampling_reproduces_per_row_seed(local_dirs):
     assert engine.run("row-a", "Tell me a story.")["output_token_ids"] == first
     others = {tuple(engine.run(f"row-{k}", "Tell me a story.")["output_token_ids"]) for k in range(4)}
     assert len(others) > 1, "different row ids should draw different samples"
+
+
+def test_trace_signal_records_the_running_entropy_before_each_step(local_dirs):
+    """--trace-signal: a fixed tree records the entropy EMA (beta 0.9, from 0) the step was chosen
+    under; the per-step accepted lengths sum to the output after the prefill's token; without the
+    flag a fixed tree records no signal (and computes no verifier statistic)."""
+    from entmtp_ray.decoding import _verifier_stats
+
+    model_dir, heads_dir = local_dirs
+    model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
+    traced = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=30, trace_signal=True))
+    row = traced.run("r1", "Write a poem.")
+    lengths, signals = row["step_accepted_lengths"], row["step_signals"]
+    assert len(lengths) == len(signals) == row["steps"] and sum(lengths) == row["num_output_tokens"] - 1
+    assert row["verified_nodes"] == row["steps"] * traced.decoder.buffers["hydra"].num_nodes
+    # recompute the EMA from a teacher-forced pass: entropy at each position after the prompt
+    ids = traced.encode("Write a poem.")
+    out = row["output_token_ids"]
+    with torch.inference_mode():
+        logits = traced.loaded.model(torch.tensor([ids + out])).logits[0, len(ids):]  # [tokens, V]
+    entropy = _verifier_stats(logits)[0]  # entropy[i]: after output token i
+    want, s, seen = [], 0.0, 0
+    for n in lengths:
+        want.append(s)
+        for h in entropy[seen: seen + n]:
+            s = 0.9 * s + 0.1 * h
+        seen += n
+    assert signals == pytest.approx(want, abs=1e-4)
+    plain = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=30)).run("r1", "Write a poem.")
+    assert plain["step_signals"] is None and plain["output_token_ids"] == out

@@ -1,0 +1,220 @@
+"""The side-by-side benchmark: our policies and the stack's baselines on the same prompts, one process.
+
+Every system decodes every prompt at each temperature, back to back in a rotating order (the
+machine's noise falls on all alike), after one untimed warm-up each. Rows are written in the
+output schema (records.py) with `policy` naming the system, plus two lossless checks computed
+outside the timed region: `output_nll`, the mean negative log-likelihood of the row's output under
+the base model (T=1), and at T=0 `matches_ar`: equal | tie (the first differing token is a float
+tie, see acceptance.greedy_up_to_tie) | differs | not compared (llama.cpp's own Q4 numerics).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from .acceptance import greedy_up_to_tie
+from .config import DecodingConfig
+from .decoding import GenerationResult, HydraDrafter, SpecDecoder, StepTrace, row_generator
+from .loading import LoadedModel, embedded_source
+from .policy import BANK_POLICIES, make_policy
+from .records import OUTPUT_SCHEMA, error_row, result_row
+
+POLICIES = ("ar", "hydra", "medusa", "entmtp-star", "entmtp-ladder", "entmtp-tau")
+BASELINES = ("hf-generate", "hf-prompt-lookup", "llama-cpp")
+SYSTEMS = POLICIES + BASELINES
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented setting for prompt_lookup_num_tokens
+BENCH_SCHEMA = OUTPUT_SCHEMA.append(pa.field("output_nll", pa.float64())).append(pa.field("matches_ar", pa.string()))
+
+
+def _baseline_result(loaded: LoadedModel, ids: list[int], tokens: list[int], seconds: float,
+                     one_token_steps: bool) -> GenerationResult:
+    """A baseline's run as a GenerationResult: the whole call is decode time (no prefill split);
+    steps are known only for one-token decoders."""
+    finish = "stop" if tokens and tokens[-1] in loaded.eos_token_ids else "length"
+    steps = [StepTrace("ar", 1, 1, [], [])] * max(0, len(tokens) - 1) if one_token_steps else []
+    return GenerationResult(list(ids), tokens, loaded.decode(tokens), finish, 0.0, seconds, steps)
+
+
+class HFGenerate:
+    """transformers `generate` on the loaded weights: greedy, or plain sampling at the temperature;
+    with `prompt_lookup` > 0, its prompt-lookup decoding (n-gram drafts copied from the context)."""
+
+    def __init__(self, loaded: LoadedModel, prompt_lookup: int = 0):
+        self.loaded, self.prompt_lookup = loaded, prompt_lookup
+
+    def run(self, ids: list[int], cfg: DecodingConfig, seed: int) -> GenerationResult:
+        torch.manual_seed(seed)
+        kwargs = {"do_sample": True, "temperature": cfg.temperature, "top_k": 0, "top_p": 1.0} \
+            if cfg.temperature > 0 else {"do_sample": False}
+        if self.prompt_lookup:
+            kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.loaded.model.generate(torch.tensor([ids]), max_new_tokens=cfg.max_new_tokens,
+                                             eos_token_id=sorted(self.loaded.eos_token_ids), **kwargs)
+        seconds = time.perf_counter() - start
+        return _baseline_result(self.loaded, ids, out[0, len(ids):].tolist(), seconds, not self.prompt_lookup)
+
+
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on the embedded model's GGUF, as its own decoder and sampler."""
+
+    def __init__(self, loaded: LoadedModel, threads: int, seed: int):
+        from llama_cpp import Llama
+
+        self.loaded = loaded
+        self.llm = Llama(model_path=str(embedded_source()), n_threads=threads, n_threads_batch=threads,
+                         n_ctx=4096, seed=seed, verbose=False)
+
+    def run(self, ids: list[int], cfg: DecodingConfig, seed: int) -> GenerationResult:
+        self.llm.set_seed(seed)
+        out = []
+        start = time.perf_counter()
+        for token in self.llm.generate(ids, temp=cfg.temperature, top_k=0, top_p=1.0, min_p=0.0,
+                                       repeat_penalty=1.0, reset=True):
+            out.append(token)
+            if token in self.loaded.eos_token_ids or len(out) >= cfg.max_new_tokens:
+                break
+        return _baseline_result(self.loaded, ids, out, time.perf_counter() - start, True)
+
+
+@torch.inference_mode()
+def output_nll(loaded: LoadedModel, ids: list[int], output: list[int]) -> float | None:
+    """Mean negative log-likelihood (nats) of `output` after `ids` under the base model at T=1."""
+    if not output:
+        return None
+    logits = loaded.model(torch.tensor([ids + output])).logits[0, len(ids) - 1: len(ids) + len(output) - 1]
+    return float(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(output)))
+
+
+@torch.inference_mode()
+def compare_greedy(loaded: LoadedModel, ids: list[int], got: list[int], want: list[int]) -> str:
+    """equal, tie (at the first token where `got` leaves `want`, both are the model's argmax up to a
+    float tie), or differs (including one being a strict prefix of the other)."""
+    if got == want:
+        return "equal"
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if i is None:
+        return "differs"
+    logits = loaded.model(torch.tensor([ids + want[:i]])).logits[0, -1]  # [V]
+    both = greedy_up_to_tie(logits.expand(2, -1), torch.tensor([got[i], want[i]]), loaded.dtype)
+    return "tie" if bool(both.all()) else "differs"
+
+
+def weight_read_seconds(loaded: LoadedModel, repeats: int = 7) -> tuple[int, float]:
+    """Bytes of the model's weights (tied ones once) and the median seconds to read them all once at
+    this thread count: the memory floor of one AR step, which must stream every weight."""
+    params = list(loaded.model.parameters())
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for param in params:
+                param.sum()
+            times.append(time.perf_counter() - start)
+    return sum(p.numel() * p.element_size() for p in params), statistics.median(times)
+
+
+@dataclass
+class Prompt:
+    id: str
+    text: str
+    ids: list[int] | None  # None: the prompt cannot run (error says why)
+    error: str | None = None
+
+
+class Bench:
+    """The systems, built once, and the interleaved run over prompts and temperatures."""
+
+    def __init__(self, loaded: LoadedModel, systems: list[str], task: str | None, bank, heads, draft_vocab,
+                 model_label: str, heads_label: str | None, bank_label: str | None, threads: int, seed: int):
+        self.loaded, self.systems, self.task = loaded, systems, task
+        self.labels = {"model": model_label, "heads": heads_label, "bank": bank_label}
+        drafter = HydraDrafter(heads, loaded.model, draft_vocab) if heads is not None else None
+        self.decoders = {name: SpecDecoder(loaded, drafter if name != "ar" else None,
+                                           make_policy(DecodingConfig(policy=name, task=task), bank))
+                         for name in systems if name in POLICIES}
+        self.baselines = {}
+        if "hf-generate" in systems:
+            self.baselines["hf-generate"] = HFGenerate(loaded)
+        if "hf-prompt-lookup" in systems:
+            self.baselines["hf-prompt-lookup"] = HFGenerate(loaded, PROMPT_LOOKUP_TOKENS)
+        if "llama-cpp" in systems:
+            self.baselines["llama-cpp"] = LlamaCpp(loaded, threads, seed)
+        self.max_depth = drafter.max_depth if drafter is not None else 0
+
+    def run_one(self, name: str, row_id: str, ids: list[int], cfg: DecodingConfig) -> GenerationResult:
+        generator = row_generator(cfg.seed, row_id, self.loaded.device)
+        if name in self.baselines:
+            return self.baselines[name].run(ids, cfg, int(generator.initial_seed() % 2**31))
+        return self.decoders[name].generate(ids, cfg, generator)
+
+    def _context(self, name: str, prompt: Prompt, cfg: DecodingConfig) -> dict:
+        uses_bank = name in BANK_POLICIES
+        drafts = name not in ("ar", "hf-generate", "hf-prompt-lookup", "llama-cpp")
+        return {"id": prompt.id, "prompt": prompt.text, "decoding": cfg.model_copy(update={"policy": name}),
+                "model": self.labels["model"], "heads": self.labels["heads"] if drafts else None,
+                "bank": self.labels["bank"] if uses_bank else None, "max_depth": self.max_depth if drafts else 0,
+                "actor_id": None, "started_at": time.time()}
+
+    def run(self, prompts: list[Prompt], temperatures: list[float], max_new_tokens: int, seed: int,
+            log=sys.stderr) -> list[dict]:
+        rows = []
+        runnable = [p for p in prompts if p.ids is not None]
+        for temperature in temperatures:
+            cfg = DecodingConfig(task=self.task, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                 acceptance="typical" if temperature > 0 else "greedy")
+            for prompt in prompts:
+                if prompt.ids is None:
+                    rows += [{**error_row(self._context(n, prompt, cfg), prompt.error), "output_nll": None,
+                              "matches_ar": None} for n in self.systems]
+            if runnable:
+                warm = cfg.model_copy(update={"max_new_tokens": 16})
+                for name in self.systems:
+                    self.run_one(name, "warmup", runnable[0].ids, warm)
+            for k, prompt in enumerate(runnable):
+                order = self.systems[k % len(self.systems):] + self.systems[: k % len(self.systems)]
+                results = {}
+                for name in order:
+                    context = self._context(name, prompt, cfg)
+                    try:
+                        results[name] = (context, self.run_one(name, prompt.id, prompt.ids, cfg))
+                    except (ValueError, RuntimeError) as exc:  # this row of this system only
+                        results[name] = (context, f"{type(exc).__name__}: {exc}")
+                rows += self._rows(prompt, results, temperature)
+                print(f"T={temperature} prompt {k + 1}/{len(runnable)} done", file=log, flush=True)
+        return rows
+
+    def _rows(self, prompt: Prompt, results: dict, temperature: float) -> list[dict]:
+        """Output rows of one prompt, with the lossless checks (outside every timed region)."""
+        rows = []
+        ar = results.get("ar")
+        want = ar[1].output_token_ids if ar is not None and isinstance(ar[1], GenerationResult) else None
+        for name in self.systems:
+            context, result = results[name]
+            if not isinstance(result, GenerationResult):
+                rows.append({**error_row(context, result), "output_nll": None, "matches_ar": None})
+                continue
+            row = result_row(context, result)
+            if name in self.baselines:
+                row.update(prefill_s=None, decode_s=None, schedule_s=None, step_signals=None)
+                if not result.steps:  # prompt lookup: transformers does not report its steps
+                    row.update(steps=None, verified_nodes=None, mean_accepted_length=None, accepted_per_position=None,
+                               step_accepted_lengths=None, tree_usage=None)
+            row["output_nll"] = output_nll(self.loaded, prompt.ids, result.output_token_ids)
+            row["matches_ar"] = None
+            if temperature == 0 and want is not None and name != "ar":
+                row["matches_ar"] = ("not compared" if name == "llama-cpp" else
+                                     compare_greedy(self.loaded, prompt.ids, result.output_token_ids, want))
+            rows.append(row)
+        return rows
+
+
+def bench_table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=BENCH_SCHEMA)

@@ -1,0 +1,68 @@
+"""jobs/bench.py end to end on the embedded model: a tiny run of every system, its rows and report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = importlib.util.spec_from_file_location("bench_job", ROOT / "jobs" / "bench.py")
+bench_job = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(bench_job)
+
+
+@pytest.mark.slow
+def test_tiny_bench_of_every_system(tmp_path, capsys):
+    out = tmp_path / "bench"
+    systems = ["ar", "hf-generate", "hf-prompt-lookup", "hydra", "medusa", "entmtp-star", "entmtp-ladder",
+               "entmtp-tau"]
+    rc = bench_job.main(["--task", "gsm8k", "--limit", "2", "--max-new-tokens", "16", "--threads", "2",
+                         "--systems", *systems, "--output", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["differs"] == 0 and summary["rows"] == 2 * 2 * len(systems)
+
+    rows = pq.read_table(out / "rows").to_pylist()
+    assert {(r["policy"], r["temperature"]) for r in rows} == {(s, t) for s in systems for t in (0.0, 0.7)}
+    assert all(r["error"] is None and r["task"] == "gsm8k" and 1 <= r["num_output_tokens"] <= 16 for r in rows)
+    greedy = [r for r in rows if r["temperature"] == 0]
+    ar = {r["id"]: r["output_token_ids"] for r in greedy if r["policy"] == "ar"}
+    for r in greedy:
+        if r["policy"] == "ar":
+            assert r["matches_ar"] is None
+        else:  # the lossless check: equal, or proven a float tie at the first difference
+            assert r["matches_ar"] in ("equal", "tie"), r
+            assert (r["output_token_ids"] == ar[r["id"]]) == (r["matches_ar"] == "equal")
+    assert all(r["output_nll"] is not None and r["output_nll"] >= 0 for r in rows)
+    for r in rows:
+        if r["policy"] in ("ar", "hf-generate"):
+            assert r["mean_accepted_length"] == 1.0
+        elif r["policy"] == "hf-prompt-lookup":
+            assert r["steps"] is None  # transformers does not report its steps
+        else:
+            assert r["steps"] >= 1 and r["mean_accepted_length"] >= 1.0
+
+    report = json.loads((out / "report.json").read_text())
+    by_key = {(r["system"], r["temperature"]): r for r in report["rows"]}
+    assert set(by_key) == {(s, t) for s in systems for t in (0.0, 0.7)}
+    for (system, temperature), r in by_key.items():
+        assert r["tokens_per_s"] > 0 and r["speedup_vs_ar"] > 0
+        mine = [x for x in rows if x["policy"] == system and x["temperature"] == temperature]
+        tokens = sum(x["num_output_tokens"] for x in mine)
+        assert r["tokens_per_s"] == pytest.approx(tokens / sum(x["total_s"] for x in mine))
+    assert by_key[("ar", 0.0)]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert report["setup"]["threads"] == 2
+    assert (out / "report.md").is_file() and (out / "tokens_per_s.png").is_file()
+
+
+def test_bench_config_errors_fail_before_any_work(tmp_path, capsys):
+    rc = bench_job.main(["--dataset", str(tmp_path / "missing.jsonl"), "--systems", "entmtp-tau",
+                         "--output", str(tmp_path / "out")])
+    assert rc == 2
+    assert "--task or --bank" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
