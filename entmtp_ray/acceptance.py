@@ -84,6 +84,46 @@ def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torc
     return retrieve[best, : longest + 1]
 
 
+def exact_accept(tokens: list[int], logits: torch.Tensor, row_of_node: list[int],
+                 children: tuple[tuple[int, ...], ...], temperature: float,
+                 generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """Multi-candidate speculative sampling down the tree; preserves the verifier's distribution at T.
+
+    From the root, a node's children are tried in rank order (SpecInfer / EAGLE-2 recursive
+    rejection). Hydra drafts them deterministically (the heads' top-k, distinct tokens), so each
+    child is a one-hot proposal: child x is accepted with probability r(x) under the current
+    residual r, which starts as p (the verifier at T after the node) and, after x is rejected,
+    becomes p with x removed, renormalised. So P(child i accepted) = p(x_i) exactly, and if all
+    are rejected the next token comes from p without them: every token keeps its probability
+    under p. An accepted child becomes the node and the walk repeats.
+
+    tokens: [n] node tokens; logits: [scored, V] verifier logits at the scored nodes; row_of_node:
+    [n] (-1 = leaf); children: per node, child nodes in rank order. Returns (accepted nodes, root
+    first; the tokens rejected after the last one), and the caller samples the next token from the
+    last node's distribution at T with the rejected tokens removed.
+    """
+    assert temperature > 0
+    node, path = 0, [0]
+    while children[node]:
+        probs = torch.softmax(logits[row_of_node[node]].float() / temperature, dim=-1)  # [V]
+        rejected: list[int] = []
+        remaining = 1.0  # residual mass: 1 - sum of p over rejected children
+        for child in children[node]:
+            x = tokens[child]
+            if x in rejected:  # a repeated draft has no residual mass left
+                continue
+            p = float(probs[x])
+            if float(torch.rand((), generator=generator, device=probs.device)) * remaining < p:
+                path.append(child)
+                node = child
+                break
+            rejected.append(x)
+            remaining -= p
+        else:
+            return path, rejected
+    return path, []
+
+
 def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """The token after the last accepted node: argmax at T=0, else a sample at temperature T.
 

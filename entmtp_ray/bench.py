@@ -157,47 +157,57 @@ class Bench:
 
     def _context(self, name: str, prompt: Prompt, cfg: DecodingConfig) -> dict:
         uses_bank = name in BANK_POLICIES
-        drafts = name not in ("ar", "hf-generate", "hf-prompt-lookup", "llama-cpp")
+        drafts = name in POLICIES and name != "ar"
         return {"id": prompt.id, "prompt": prompt.text, "decoding": cfg.model_copy(update={"policy": name}),
                 "model": self.labels["model"], "heads": self.labels["heads"] if drafts else None,
                 "bank": self.labels["bank"] if uses_bank else None, "max_depth": self.max_depth if drafts else 0,
                 "actor_id": None, "started_at": time.time()}
 
+    def variants(self, temperature: float, acceptances: list[str]) -> list[tuple[str, str]]:
+        """(system, acceptance) pairs run at `temperature`: at T=0 greedy only; at T>0 every system under
+        the first acceptance rule and the drafting policies under each further one (AR and the baselines
+        sample plainly, whatever the rule)."""
+        if temperature == 0:
+            return [(name, "greedy") for name in self.systems]
+        out = [(name, acceptances[0]) for name in self.systems]
+        return out + [(name, rule) for rule in acceptances[1:] for name in self.systems
+                      if name in POLICIES and name != "ar"]
+
     def run(self, prompts: list[Prompt], temperatures: list[float], max_new_tokens: int, seed: int,
-            log=sys.stderr) -> list[dict]:
+            acceptances: tuple[str, ...] = ("typical",), log=sys.stderr) -> list[dict]:
         rows = []
         runnable = [p for p in prompts if p.ids is not None]
         for temperature in temperatures:
-            cfg = DecodingConfig(task=self.task, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                 acceptance="typical" if temperature > 0 else "greedy")
+            variants = self.variants(temperature, list(acceptances))
+            configs = {rule: DecodingConfig(task=self.task, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            seed=seed, acceptance=rule) for _, rule in variants}
             for prompt in prompts:
                 if prompt.ids is None:
-                    rows += [{**error_row(self._context(n, prompt, cfg), prompt.error), "output_nll": None,
-                              "matches_ar": None} for n in self.systems]
+                    rows += [{**error_row(self._context(name, prompt, configs[rule]), prompt.error),
+                              "output_nll": None, "matches_ar": None} for name, rule in variants]
             if runnable:
-                warm = cfg.model_copy(update={"max_new_tokens": 16})
-                for name in self.systems:
+                for name, rule in variants:
+                    warm = configs[rule].model_copy(update={"max_new_tokens": 16})
                     self.run_one(name, "warmup", runnable[0].ids, warm)
             for k, prompt in enumerate(runnable):
-                order = self.systems[k % len(self.systems):] + self.systems[: k % len(self.systems)]
+                order = variants[k % len(variants):] + variants[: k % len(variants)]
                 results = {}
-                for name in order:
-                    context = self._context(name, prompt, cfg)
+                for name, rule in order:
+                    context = self._context(name, prompt, configs[rule])
                     try:
-                        results[name] = (context, self.run_one(name, prompt.id, prompt.ids, cfg))
+                        results[name, rule] = (context, self.run_one(name, prompt.id, prompt.ids, configs[rule]))
                     except (ValueError, RuntimeError) as exc:  # this row of this system only
-                        results[name] = (context, f"{type(exc).__name__}: {exc}")
-                rows += self._rows(prompt, results, temperature)
+                        results[name, rule] = (context, f"{type(exc).__name__}: {exc}")
+                rows += self._rows(prompt, [(v, *results[v]) for v in variants], temperature)
                 print(f"T={temperature} prompt {k + 1}/{len(runnable)} done", file=log, flush=True)
         return rows
 
-    def _rows(self, prompt: Prompt, results: dict, temperature: float) -> list[dict]:
+    def _rows(self, prompt: Prompt, results: list[tuple], temperature: float) -> list[dict]:
         """Output rows of one prompt, with the lossless checks (outside every timed region)."""
         rows = []
-        ar = results.get("ar")
-        want = ar[1].output_token_ids if ar is not None and isinstance(ar[1], GenerationResult) else None
-        for name in self.systems:
-            context, result = results[name]
+        ar = next((result for (name, _), _, result in results if name == "ar"), None)
+        want = ar.output_token_ids if isinstance(ar, GenerationResult) else None
+        for (name, _), context, result in results:
             if not isinstance(result, GenerationResult):
                 rows.append({**error_row(context, result), "output_nll": None, "matches_ar": None})
                 continue

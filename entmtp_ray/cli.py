@@ -44,7 +44,9 @@ def add_decoding_args(p: argparse.ArgumentParser, task_flag: bool = True) -> Non
     g.add_argument("--trace-signal", action="store_true",
                    help="record the signal before every step (step_signals) for any policy, for reports")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--acceptance", default="greedy", choices=["greedy", "typical"])
+    g.add_argument("--acceptance", default="greedy", choices=["greedy", "typical", "exact"],
+                   help="greedy (T=0), typical (Hydra's, fast, not distribution-preserving) or exact "
+                   "(speculative sampling: outputs distributed as the base model's own sampling)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-input-tokens", type=int, default=1400)
     g.add_argument("--seed", type=int, default=123)

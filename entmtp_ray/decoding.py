@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from .acceptance import greedy_accept, next_token, typical_accept
+from .acceptance import exact_accept, greedy_accept, next_token, typical_accept
 from .config import DecodingConfig
 from .heads import HydraHeads
 from .kv_cache import KVCache
@@ -247,11 +247,18 @@ class SpecDecoder:
         if self.loaded.device.type == "cuda":
             torch.cuda.synchronize(self.loaded.device)
 
-    def _accept(self, tokens, scored_logits, buffers, cfg: DecodingConfig) -> torch.Tensor:
-        if cfg.acceptance == "typical" and cfg.temperature > 0:
+    def _accept(self, tokens, scored_logits, buffers, cfg: DecodingConfig,
+                generator) -> tuple[torch.Tensor, list[int]]:
+        """The accepted nodes ([a], root first) and the tokens the next token must not be (exact
+        acceptance's rejected children of the last node; [] otherwise)."""
+        if cfg.temperature > 0 and cfg.acceptance == "exact":
+            path, rejected = exact_accept(tokens.tolist(), scored_logits, buffers.row_of_node.tolist(),
+                                          buffers.children, cfg.temperature, generator)
+            return torch.tensor(path, device=tokens.device), rejected
+        if cfg.temperature > 0 and cfg.acceptance == "typical":
             return typical_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices,
-                                  cfg.temperature, cfg.typical_epsilon, cfg.typical_alpha)
-        return greedy_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices)
+                                  cfg.temperature, cfg.typical_epsilon, cfg.typical_alpha), []
+        return greedy_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices), []
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], cfg: DecodingConfig,
@@ -305,11 +312,14 @@ class SpecDecoder:
             hidden = forward_hidden(model, cache, tokens, positions, buffers.tree_mask, plan)  # [n, H]
             scored_logits = lm_head(hidden[buffers.scored_nodes])  # [scored, V]
             # 4) accept a path, then pick the token after it
-            accepted = self._accept(tokens, scored_logits, buffers, cfg)  # [a] node indices, root first
+            accepted, rejected = self._accept(tokens, scored_logits, buffers, cfg, generator)  # [a], root first
             last = int(accepted[-1])
             last_row = int(buffers.row_of_node[last])
             last_logits = scored_logits[last_row] if last_row >= 0 else lm_head(hidden[last])  # [V]
-            root = next_token(last_logits, cfg.temperature, generator)
+            root_logits = last_logits
+            if rejected:  # exact acceptance: the next token comes from the residual
+                root_logits = last_logits.index_fill(0, torch.tensor(rejected, device=dev), float("-inf"))
+            root = next_token(root_logits, cfg.temperature, generator)
             # 5) commit the accepted path to both caches
             cache.keep(accepted)
             self.drafter.advance(hidden[accepted], committed + torch.arange(accepted.numel(), device=dev))

@@ -145,6 +145,7 @@ class TreeBuffers:
     levels: tuple[DraftLevel, ...]  # one per depth 1..depth
     scored_nodes: torch.Tensor  # [num_scored] nodes with children: their verifier logits decide acceptance
     row_of_node: torch.Tensor  # [num_nodes] row in the scored logits, -1 for leaves
+    children: tuple[tuple[int, ...], ...]  # per node, its child nodes in rank order (exact acceptance walks them)
 
 
 def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> TreeBuffers:
@@ -189,6 +190,7 @@ def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> Tre
             )
         )
     scored = sorted(index[p] for p in children)
+    child_nodes = tuple(tuple(index[p + (r,)] for r in range(children.get(p, 0))) for p in sorted(index, key=index.get))
     row_of_node = torch.full((n,), -1, dtype=torch.long)
     row_of_node[scored] = torch.arange(len(scored))
     return TreeBuffers(
@@ -201,4 +203,5 @@ def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> Tre
         levels=tuple(levels),
         scored_nodes=torch.tensor(scored, dtype=torch.long, device=device),
         row_of_node=row_of_node.to(device),
+        children=child_nodes,
     )

@@ -4,9 +4,9 @@
 
 Takes jobs/generate.py's input flags (`--task` alone benchmarks the task's held-out `eval` prompts,
 which neither the heads nor the bank saw). One process: every system decodes each prompt back to
-back in a rotating order after one untimed warm-up, at T=0 (greedy) and T=0.7 (typical
-acceptance; transformers samples). Writes the per-row Parquet to OUTPUT/rows and the report
-(report.md, report.json, plots) to OUTPUT. Lossless checks: at T=0 each system's tokens against
+back in a rotating order after one untimed warm-up, at T=0 (greedy) and T=0.7 (typical and exact
+acceptance; AR and transformers sample plainly). Writes the per-row Parquet to OUTPUT/rows and the
+report (report.md, report.json, plots) to OUTPUT. Lossless checks: at T=0 each system's tokens against
 AR's (a difference passes only as a float tie at its first token), at every T the output's
 negative log-likelihood under the base model. Exits 1 if a greedy output differs from AR's.
 llama.cpp joins when `llama-cpp-python` is installed (`pip install -e .[llamacpp]`).
@@ -58,6 +58,8 @@ def parse(argv):
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                    help="default: all that apply (entmtp-* need a bank, llama-cpp its package and the embedded model)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--acceptances", nargs="+", default=["typical", "exact"], choices=["typical", "exact"],
+                   help="acceptance rules of the drafting policies at T>0 (AR and the baselines sample plainly)")
     p.add_argument("--bank", default=None, help="bank file (default: banks/<model>/<task>.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the bank's)")
     p.add_argument("--output", required=True, help="directory for rows/ (Parquet) and the report")
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
 
     weight_bytes, floor_s = weight_read_seconds(loaded)
     started = time.time()
-    rows = bench.run(prompts, args.temperatures, args.max_new_tokens, args.seed)
+    rows = bench.run(prompts, args.temperatures, args.max_new_tokens, args.seed, tuple(args.acceptances))
     output = Path(args.output)
     (output / "rows").mkdir(parents=True, exist_ok=True)
     pq.write_table(bench_table(rows), output / "rows" / "part-0.parquet")

@@ -25,10 +25,14 @@ def test_tiny_bench_of_every_system(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert rc == 0, stdout[-3000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["differs"] == 0 and summary["rows"] == 2 * 2 * len(systems)
+    drafting = [s for s in systems if s not in ("ar", "hf-generate", "hf-prompt-lookup")]
+    # T=0 greedy; T=0.7 every system under typical acceptance and the drafting ones under exact too
+    variants = ({(s, 0.0, "greedy") for s in systems} | {(s, 0.7, "typical") for s in systems}
+                | {(s, 0.7, "exact") for s in drafting})
+    assert summary["differs"] == 0 and summary["rows"] == 2 * len(variants)
 
     rows = pq.read_table(out / "rows").to_pylist()
-    assert {(r["policy"], r["temperature"]) for r in rows} == {(s, t) for s in systems for t in (0.0, 0.7)}
+    assert {(r["policy"], r["temperature"], r["acceptance"]) for r in rows} == variants
     assert all(r["error"] is None and r["task"] == "gsm8k" and 1 <= r["num_output_tokens"] <= 16 for r in rows)
     greedy = [r for r in rows if r["temperature"] == 0]
     ar = {r["id"]: r["output_token_ids"] for r in greedy if r["policy"] == "ar"}
@@ -48,14 +52,14 @@ def test_tiny_bench_of_every_system(tmp_path, capsys):
             assert r["steps"] >= 1 and r["mean_accepted_length"] >= 1.0
 
     report = json.loads((out / "report.json").read_text())
-    by_key = {(r["system"], r["temperature"]): r for r in report["rows"]}
-    assert set(by_key) == {(s, t) for s in systems for t in (0.0, 0.7)}
-    for (system, temperature), r in by_key.items():
+    by_key = {(r["system"], r["temperature"], r["acceptance"]): r for r in report["rows"]}
+    assert set(by_key) == variants
+    for (system, temperature, rule), r in by_key.items():
         assert r["tokens_per_s"] > 0 and r["speedup_vs_ar"] > 0
-        mine = [x for x in rows if x["policy"] == system and x["temperature"] == temperature]
+        mine = [x for x in rows if (x["policy"], x["temperature"], x["acceptance"]) == (system, temperature, rule)]
         tokens = sum(x["num_output_tokens"] for x in mine)
         assert r["tokens_per_s"] == pytest.approx(tokens / sum(x["total_s"] for x in mine))
-    assert by_key[("ar", 0.0)]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert by_key[("ar", 0.0, "greedy")]["speedup_vs_ar"] == pytest.approx(1.0)
     assert report["setup"]["threads"] == 2
     assert (out / "report.md").is_file() and (out / "tokens_per_s.png").is_file()
 

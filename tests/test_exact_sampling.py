@@ -1,0 +1,162 @@
+"""--acceptance exact keeps the base model's sampling distribution: a goodness-of-fit test.
+
+A tiny random Llama with an 8-token vocabulary has 512 possible first-three-token outputs; their
+exact probabilities under plain sampling at T (the product of the model's three next-token
+distributions) are enumerated, and the outputs of N seeded generations are tested against them
+with Pearson's chi-square (cells expected below 5 pooled). Each check fails when the p-value is
+below ALPHA, so a correct sampler fails it with probability ALPHA = 1e-3 over the choice of seeds
+(the seeds are fixed, so a run is deterministic). The same test must reject two deliberately
+biased samplers, which shows it has the power to see the mistakes an implementation makes.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from entmtp_ray import acceptance, decoding
+from entmtp_ray.config import DecodingConfig
+from entmtp_ray.decoding import HydraDrafter, SpecDecoder
+from entmtp_ray.heads import init_heads
+from entmtp_ray.loading import LoadedModel
+from entmtp_ray.policy import FixedTree
+
+VOCAB, TOKENS, TEMPERATURE = 8, 3, 0.7
+SAMPLES = 3000
+ALPHA = 1e-3
+PROMPT = [1, 5, 2, 7, 3]
+# 3 children at the root, 2 below the first, a depth-3 chain: every acceptance case occurs
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # peaked next-token distributions, as a real model's are
+            param.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.5 * torch.randn(param.shape, generator=gen))
+    loaded = LoadedModel(name="tiny", model=model, tokenizer=SimpleNamespace(decode=lambda ids, **_: ""),
+                         chat_format="raw", dtype=torch.float32, device=torch.device("cpu"),
+                         eos_token_ids=frozenset())
+    heads = init_heads(model, num_heads=3, num_layers=1, seed=1)
+    return loaded, HydraDrafter(heads, model)
+
+
+def exact_distribution(model) -> torch.Tensor:
+    """P(first three tokens) under plain sampling at TEMPERATURE: [VOCAB ** TOKENS]."""
+    probs = torch.ones(1)
+    prefixes = [[]]
+    with torch.inference_mode():
+        for _ in range(TOKENS):
+            batch = torch.tensor([PROMPT + p for p in prefixes])  # [prefixes, len]
+            step = torch.softmax(model(batch).logits[:, -1].double() / TEMPERATURE, -1)  # [prefixes, V]
+            probs = (probs[:, None] * step).reshape(-1)
+            prefixes = [p + [t] for p in prefixes for t in range(VOCAB)]
+    return probs
+
+
+def sample_counts(loaded, drafter, policy: FixedTree, acceptance_rule: str) -> torch.Tensor:
+    decoder = SpecDecoder(loaded, drafter if policy.tree != "ar" else None, policy)
+    cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, acceptance=acceptance_rule, max_new_tokens=TOKENS)
+    counts = torch.zeros(VOCAB ** TOKENS, dtype=torch.double)
+    for seed in range(SAMPLES):
+        out = decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed)).output_token_ids
+        counts[sum(t * VOCAB ** (TOKENS - 1 - k) for k, t in enumerate(out))] += 1
+    return counts
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed, expected = counts[~small], expected[~small]
+    if small.any():
+        observed = torch.cat([observed, counts[small].sum()[None]])
+        expected = torch.cat([expected, (probs[small].sum() * counts.sum())[None]])
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    df = observed.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), torch.tensor(stat / 2)))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    loaded, drafter = tiny
+    tree = tmp_path_factory.mktemp("tree") / "tree.json"
+    tree.write_text(json.dumps(TREE))
+    return exact_distribution(loaded.model), str(tree)
+
+
+def test_the_reference_is_what_ar_sampling_draws(tiny, reference):
+    loaded, drafter = tiny
+    probs, _ = reference
+    assert float(probs.sum()) == pytest.approx(1.0)
+    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("ar", "ar"), "exact"), probs) > ALPHA
+
+
+def test_exact_acceptance_samples_the_base_distribution(tiny, reference):
+    loaded, drafter = tiny
+    probs, tree = reference
+    decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", tree))
+    cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, acceptance="exact", max_new_tokens=16)
+    steps = [step.accepted_length for s in range(50)
+             for step in decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(s)).steps]
+    # the drafts must be accepted often and below the first depth, or the tree walk goes untested
+    assert sum(steps) / len(steps) > 1.3 and min(steps) == 1 and max(steps) >= 3
+    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", tree), "exact"), probs) > ALPHA
+
+
+def _resample_from_p(tokens, logits, row_of_node, children, temperature, generator):
+    """Bias 1: after rejecting every child, sample from p itself instead of the residual."""
+    path, _ = acceptance.exact_accept(tokens, logits, row_of_node, children, temperature, generator)
+    return path, []
+
+
+def _no_renormalising(tokens, logits, row_of_node, children, temperature, generator):
+    """Bias 2: accept each child with p(x), not with its residual probability p(x) / (1 - rejected mass)."""
+    node, path = 0, [0]
+    while children[node]:
+        probs = torch.softmax(logits[row_of_node[node]].float() / temperature, -1)
+        rejected = []
+        for child in children[node]:
+            if float(torch.rand((), generator=generator)) < float(probs[tokens[child]]):
+                path.append(child)
+                node = child
+                break
+            rejected.append(tokens[child])
+        else:
+            return path, rejected
+    return path, []
+
+
+@pytest.mark.parametrize("biased", [_resample_from_p, _no_renormalising])
+def test_the_test_rejects_a_biased_sampler(tiny, reference, monkeypatch, biased):
+    loaded, drafter = tiny
+    probs, tree = reference
+    monkeypatch.setattr(decoding, "exact_accept", biased)
+    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", tree), "exact"), probs) < ALPHA
+
+
+def test_exact_at_temperature_zero_is_greedy(tiny, reference):
+    loaded, drafter = tiny
+    _, tree = reference
+    outputs = {}
+    for rule in ("greedy", "exact"):
+        cfg = DecodingConfig(policy="fixed", temperature=0.0, acceptance=rule, max_new_tokens=20)
+        outputs[rule] = SpecDecoder(loaded, drafter, FixedTree("fixed", tree)).generate(PROMPT, cfg).output_token_ids
+    assert outputs["exact"] == outputs["greedy"]
+
+
+def test_exact_acceptance_reproduces_with_the_seed_and_varies_across_seeds(tiny, reference):
+    loaded, drafter = tiny
+    _, tree = reference
+    decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", tree))
+    cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, acceptance="exact", max_new_tokens=20)
+    runs = [decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(s)).output_token_ids for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
