@@ -84,7 +84,7 @@ def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torc
     return retrieve[best, : longest + 1]
 
 
-def exact_accept(tokens: list[int], logits: torch.Tensor, row_of_node: list[int],
+def exact_accept(tokens: list[int], logits: torch.Tensor, row_of_node: torch.Tensor,
                  children: tuple[tuple[int, ...], ...], temperature: float,
                  generator: torch.Generator | None) -> tuple[list[int], list[int]]:
     """Multi-candidate speculative sampling down the tree; preserves the verifier's distribution at T.
@@ -105,7 +105,7 @@ def exact_accept(tokens: list[int], logits: torch.Tensor, row_of_node: list[int]
     assert temperature > 0
     node, path = 0, [0]
     while children[node]:
-        probs = torch.softmax(logits[row_of_node[node]].float() / temperature, dim=-1)  # [V]
+        probs = torch.softmax(logits[int(row_of_node[node])].float() / temperature, dim=-1)  # [V]
         rejected: list[int] = []
         remaining = 1.0  # residual mass: 1 - sum of p over rejected children
         for child in children[node]:

@@ -85,25 +85,27 @@ class LlamaCpp:
 
 
 @torch.inference_mode()
-def output_nll(loaded: LoadedModel, ids: list[int], output: list[int]) -> float | None:
-    """Mean negative log-likelihood (nats) of `output` after `ids` under the base model at T=1."""
+def continuation_logits(loaded: LoadedModel, ids: list[int], output: list[int]) -> torch.Tensor:
+    """The base model's logits before each token of `output` after `ids`: [len(output), V], one forward."""
+    return loaded.model(torch.tensor([ids + output])).logits[0, len(ids) - 1: len(ids) + len(output) - 1]
+
+
+def output_nll(logits: torch.Tensor, output: list[int]) -> float | None:
+    """Mean negative log-likelihood (nats, T=1) of `output` from its continuation_logits."""
     if not output:
         return None
-    logits = loaded.model(torch.tensor([ids + output])).logits[0, len(ids) - 1: len(ids) + len(output) - 1]
     return float(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(output)))
 
 
-@torch.inference_mode()
-def compare_greedy(loaded: LoadedModel, ids: list[int], got: list[int], want: list[int]) -> str:
+def compare_greedy(got: list[int], want: list[int], want_logits: torch.Tensor, dtype: torch.dtype) -> str:
     """equal, tie (at the first token where `got` leaves `want`, both are the model's argmax up to a
-    float tie), or differs (including one being a strict prefix of the other)."""
+    float tie; `want_logits` are want's continuation_logits), or differs (one a strict prefix of the other too)."""
     if got == want:
         return "equal"
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if i is None:
         return "differs"
-    logits = loaded.model(torch.tensor([ids + want[:i]])).logits[0, -1]  # [V]
-    both = greedy_up_to_tie(logits.expand(2, -1), torch.tensor([got[i], want[i]]), loaded.dtype)
+    both = greedy_up_to_tie(want_logits[i].expand(2, -1), torch.tensor([got[i], want[i]]), dtype)
     return "tie" if bool(both.all()) else "differs"
 
 
@@ -207,6 +209,7 @@ class Bench:
         rows = []
         ar = next((result for (name, _), _, result in results if name == "ar"), None)
         want = ar.output_token_ids if isinstance(ar, GenerationResult) else None
+        want_logits = continuation_logits(self.loaded, prompt.ids, want) if want else None  # AR's NLL and the checks
         for (name, _), context, result in results:
             if not isinstance(result, GenerationResult):
                 rows.append({**error_row(context, result), "output_nll": None, "matches_ar": None})
@@ -217,11 +220,13 @@ class Bench:
                 if not result.steps:  # prompt lookup: transformers does not report its steps
                     row.update(steps=None, verified_nodes=None, mean_accepted_length=None, accepted_per_position=None,
                                step_accepted_lengths=None, tree_usage=None)
-            row["output_nll"] = output_nll(self.loaded, prompt.ids, result.output_token_ids)
+            out = result.output_token_ids
+            logits = want_logits if out == want else continuation_logits(self.loaded, prompt.ids, out) if out else None
+            row["output_nll"] = output_nll(logits, out)
             row["matches_ar"] = None
             if temperature == 0 and want is not None and name != "ar":
                 row["matches_ar"] = ("not compared" if name == "llama-cpp" else
-                                     compare_greedy(self.loaded, prompt.ids, result.output_token_ids, want))
+                                     compare_greedy(out, want, want_logits, self.loaded.dtype))
             rows.append(row)
         return rows
 

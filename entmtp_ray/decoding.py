@@ -252,8 +252,8 @@ class SpecDecoder:
         """The accepted nodes ([a], root first) and the tokens the next token must not be (exact
         acceptance's rejected children of the last node; [] otherwise)."""
         if cfg.temperature > 0 and cfg.acceptance == "exact":
-            path, rejected = exact_accept(tokens.tolist(), scored_logits, buffers.row_of_node.tolist(),
-                                          buffers.children, cfg.temperature, generator)
+            path, rejected = exact_accept(tokens.tolist(), scored_logits, buffers.row_of_node, buffers.children,
+                                          cfg.temperature, generator)
             return torch.tensor(path, device=tokens.device), rejected
         if cfg.temperature > 0 and cfg.acceptance == "typical":
             return typical_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices,
