@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from .kv_cache import KVCache
-from .llama import attention_mask, decoder_layer, linear, rotary
+from .llama import attention_mask, decoder_layer, linear, query_groups, rotary
 
 CONFIG_FILE = "heads_config.json"
 WEIGHTS_FILE = "heads.safetensors"
@@ -104,7 +104,7 @@ class HydraHeads(nn.Module):
             return base_hidden
         x = base_hidden[None]
         n = x.shape[1]
-        mask = attention_mask(None, cache.length, n, x.device)
+        mask = attention_mask(None, cache.length, n, x.device, query_groups(self.prefix_layer.self_attn))
         out = decoder_layer(self.prefix_layer, x, rotary(rotary_emb, x, positions), cache, 0, mask)
         cache.keep(torch.arange(n, device=x.device))
         return self.prefix_norm(out)[0]
