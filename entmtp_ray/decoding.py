@@ -15,9 +15,9 @@ import torch
 
 from .acceptance import exact_accept, greedy_accept, next_token, typical_accept
 from .config import DecodingConfig
-from .heads import HydraHeads
+from .heads import HeadsPlan, HydraHeads
 from .kv_cache import KVCache
-from .llama import forward_hidden, linear, prepare
+from .llama import Projection, forward_hidden, prepare
 from .loading import LoadedModel
 from .policy import Policy, Signal, make_signal
 from .tree import TreeBuffers, build_buffers, chain_topology, load_topology
@@ -131,18 +131,21 @@ class HydraDrafter:
         self.embed = model.model.embed_tokens
         self.lm_head = model.lm_head
         self.vocab_ids = None  # [K] token id of each column of the draft logits; None = all
-        self.projections = None  # per head: a Linear over the K rows, when drafting on a shortlist
+        self.projections = None  # per head: a Projection onto the K rows, when drafting on a shortlist
         if draft_vocab:
             device = model.lm_head.weight.device
             self.vocab_ids = torch.tensor(draft_vocab, dtype=torch.long, device=device)  # [K]
             sources = heads.lm_heads if heads.lm_heads is not None else [model.lm_head] * heads.config.num_heads
-            self.projections = [_row_subset(source, self.vocab_ids) for source in sources]
+            self.projections = [Projection.of(*_row_subset(source, self.vocab_ids)).for_drafting()
+                                for source in sources]
         self.rotary = model.model.rotary_emb
         self.max_depth = heads.config.num_heads
         self.cache: KVCache | None = None
         self.context: torch.Tensor | None = None  # [H] context vector at the last committed position
+        self.plan: HeadsPlan | None = None  # the heads' inference plan, prepared once per generation
 
     def begin(self, base_hidden, positions, capacity):
+        self.plan = self.heads.prepare()
         if self.cache is None or self.cache.capacity < capacity:
             self.cache = self.heads.new_cache(capacity, base_hidden.dtype, base_hidden.device)
         if self.cache is not None:
@@ -150,7 +153,7 @@ class HydraDrafter:
         self.advance(base_hidden, positions)
 
     def advance(self, base_hidden, positions):
-        self.context = self.heads.context(base_hidden, positions, self.cache, self.rotary)[-1]
+        self.context = self.heads.context(base_hidden, positions, self.cache, self.rotary, self.plan)[-1]
 
     def draft(self, buffers: TreeBuffers, root: int) -> torch.Tensor:
         tokens = torch.empty(buffers.num_nodes, dtype=torch.long, device=self.context.device)  # [n]
@@ -159,7 +162,7 @@ class HydraDrafter:
             paths = tokens[level.parent_paths]  # [parents, d] tokens root..parent
             parents, d = paths.shape
             rows = torch.cat([self.context.expand(parents, -1), self.embed(paths).reshape(parents, -1)], dim=-1)
-            hidden = self.heads.head_hidden(level.head_index, rows)  # [parents, H]
+            hidden = self.plan.trunks[level.head_index](rows)  # [parents, H]
             top = self.top_tokens(level.head_index, hidden, level.top_k).reshape(-1)  # [parents * top_k]
             tokens[level.node_start: level.node_start + level.child_select.numel()] = top[level.child_select]
         return tokens
@@ -168,18 +171,13 @@ class HydraDrafter:
         """Head `head`'s k best tokens ([rows, k], best first) from its trunk output hidden [rows, H]."""
         if self.projections is None:
             return self.heads.project(head, hidden, self.lm_head).topk(k, dim=-1).indices  # over [rows, V]
-        return self.vocab_ids[linear(hidden, self.projections[head]).topk(k, dim=-1).indices]  # over [rows, K]
+        return self.vocab_ids[self.projections[head](hidden).topk(k, dim=-1).indices]  # over [rows, K]
 
 
-def _row_subset(layer: torch.nn.Linear, rows: torch.Tensor) -> torch.nn.Linear:
-    """A frozen Linear computing only output features `rows` of `layer`."""
-    subset = torch.nn.Linear(layer.in_features, rows.numel(), bias=layer.bias is not None,
-                             device=layer.weight.device, dtype=layer.weight.dtype)
+def _row_subset(layer: torch.nn.Linear, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias of `layer`'s output features `rows`, copied (frozen: later changes to `layer` are not seen)."""
     with torch.no_grad():
-        subset.weight.copy_(layer.weight[rows])
-        if layer.bias is not None:
-            subset.bias.copy_(layer.bias[rows])
-    return subset.requires_grad_(False)
+        return layer.weight[rows].clone(), layer.bias[rows].clone() if layer.bias is not None else None
 
 
 def row_generator(seed: int, row_id: str, device) -> torch.Generator:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -20,7 +21,16 @@ from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from .kv_cache import KVCache
-from .llama import attention_mask, decoder_layer, linear, query_groups, rotary
+from .llama import (
+    LayerPlan,
+    Projection,
+    attention_mask,
+    decoder_layer,
+    linear,
+    projection,
+    query_groups,
+    rotary_tables,
+)
 
 CONFIG_FILE = "heads_config.json"
 WEIGHTS_FILE = "heads.safetensors"
@@ -68,6 +78,37 @@ class HeadMLP(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class HeadPlan:
+    """One head's trunk for inference (HeadMLP without dropout), its projections looked up once."""
+
+    first_res: Projection
+    first_linear: Projection
+    block: Projection
+    repeats: int
+
+    @classmethod
+    def of(cls, mlp: HeadMLP) -> HeadPlan:
+        return cls(projection(mlp.first_res).for_drafting(), projection(mlp.first_linear).for_drafting(),
+                   projection(mlp.block).for_drafting(), mlp.repeats)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first_res(x) + F.silu(self.first_linear(x))
+        for _ in range(self.repeats):
+            x = x + F.silu(self.block(x))
+        return x
+
+
+@dataclass(frozen=True)
+class HeadsPlan:
+    """What drafting runs each step, prepared once per generation (`HydraHeads.prepare`): the prefix
+    layer's plan and each head's trunk, one-row products through the faster GEMV (drafts only steer
+    which tokens are verified, so their rounding is free to differ from the base model's)."""
+
+    prefix: LayerPlan | None
+    trunks: tuple[HeadPlan, ...]
+
+
 class HydraHeads(nn.Module):
     def __init__(self, config: HeadsConfig, base_config):
         super().__init__()
@@ -93,8 +134,13 @@ class HydraHeads(nn.Module):
         num_kv = attn.k_proj.out_features // attn.head_dim
         return KVCache(1, num_kv, attn.head_dim, capacity, dtype, device)
 
+    def prepare(self) -> HeadsPlan:
+        """The inference plan, with derived weights rebuilt for any weight changed since the last one."""
+        prefix = LayerPlan.of(self.prefix_layer).for_drafting() if self.prefix_layer is not None else None
+        return HeadsPlan(prefix, tuple(HeadPlan.of(mlp) for mlp in self.mlps))
+
     def context(self, base_hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                rotary_emb: nn.Module) -> torch.Tensor:
+                rotary_emb: nn.Module, plan: HeadsPlan | None = None) -> torch.Tensor:
         """Context vectors [n, H] for newly committed tokens.
 
         base_hidden: [n, H] final (post-norm) base hidden states of the committed tokens, at
@@ -105,8 +151,9 @@ class HydraHeads(nn.Module):
         x = base_hidden[None]
         n = x.shape[1]
         mask = attention_mask(None, cache.length, n, x.device, query_groups(self.prefix_layer.self_attn))
-        out = decoder_layer(self.prefix_layer, x, rotary(rotary_emb, x, positions), cache, 0, mask)
-        cache.keep(torch.arange(n, device=x.device))
+        out = decoder_layer(self.prefix_layer, x, rotary_tables(rotary_emb, x, positions), cache, 0, mask,
+                            plan.prefix if plan is not None else None)
+        cache.commit(n)
         return self.prefix_norm(out)[0]
 
     def head_hidden(self, head: int, rows: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:

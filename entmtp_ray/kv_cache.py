@@ -43,5 +43,9 @@ class KVCache:
             self.v[:, :, dst] = self.v[:, :, src]
         self.length += a
 
+    def commit(self, count: int) -> None:
+        """Commit the first `count` pending entries as they lie (`keep` of 0..count-1, without reading indices)."""
+        self.length += count
+
     def reset(self) -> None:
         self.length = 0

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from entmtp_ray.decoding import HydraDrafter
 from entmtp_ray.heads import DRAFT_VOCAB_FILE, init_heads, load_draft_vocab, save_draft_vocab
 from entmtp_ray.kv_cache import KVCache
-from entmtp_ray.llama import Projection, forward_hidden, fused_projections, linear
+from entmtp_ray.heads import HeadPlan
+from entmtp_ray.llama import Projection, forward_hidden, fused_projections, linear, rotary_tables
 from entmtp_ray.tree import build_buffers, load_topology
 
 from conftest import make_tiny_llama
@@ -31,6 +32,56 @@ def test_packed_bf16_projection_is_bitwise_f_linear(rows):
     assert projection.packed is not None
     with torch.inference_mode():
         assert torch.equal(projection(x), F.linear(x, weight, bias))
+
+
+@needs_onednn
+def test_drafting_projection_takes_native_gemv_for_one_row_only_and_restores_onednn():
+    gen = torch.Generator().manual_seed(7)
+    weight = (0.05 * torch.randn(96, 80, generator=gen)).bfloat16()
+    bias = (0.1 * torch.randn(96, generator=gen)).bfloat16()
+    drafting = Projection.of(weight, bias).for_drafting()
+    assert drafting.draft_gemv and not Projection.of(weight, bias).draft_gemv
+    one, many = torch.randn(1, 1, 80, generator=gen).bfloat16(), torch.randn(1, 5, 80, generator=gen).bfloat16()
+    with torch.inference_mode():
+        with torch.backends.mkldnn.flags(enabled=False):
+            native = F.linear(one, weight, bias)
+        assert torch.equal(drafting(one), native)
+        assert torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()  # switched back on
+        assert torch.equal(drafting(many), Projection.of(weight, bias)(many))  # rows > 1: the packed kernel
+        with pytest.raises(RuntimeError):
+            drafting(torch.randn(1, 81).bfloat16())  # a failing call leaves oneDNN on too
+        assert torch._C._get_mkldnn_enabled()
+    fp32 = Projection.of(weight.float(), bias.float()).for_drafting()
+    assert not fp32.draft_gemv  # nothing packed, nothing to bypass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_rotate_exactly_as_transformers(dtype):
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    model = make_tiny_llama(2).to(dtype)
+    x = torch.randn(6, 5, model.config.hidden_size // model.config.num_attention_heads).to(dtype)
+    positions = torch.tensor([3, 4, 4, 5, 40])  # tree nodes share depths
+    cos, sin = model.model.rotary_emb(x, positions[None])
+    tab_cos, signed_sin = rotary_tables(model.model.rotary_emb, x, positions)
+    assert torch.equal(tab_cos, cos)
+    ours = x * tab_cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    assert torch.equal(ours, x * cos + rotate_half(x) * sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_plan_is_the_head_mlp(dtype):
+    model = make_tiny_llama(3)
+    heads = init_heads(model, num_heads=2, seed=4).eval()
+    with torch.no_grad():
+        for p in heads.mlps.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    heads.to(dtype)
+    rows = torch.randn(4, 3 * model.config.hidden_size).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(HeadPlan.of(heads.mlps[1])(rows), heads.mlps[1](rows))  # multi-row: same kernels
+        tol = 0 if dtype == torch.float32 else 2e-2  # one bf16 row: native GEMV, rounded its own way
+        torch.testing.assert_close(HeadPlan.of(heads.mlps[1])(rows[:1]), heads.mlps[1](rows[:1]), atol=tol, rtol=tol)
 
 
 def _hf_hidden(model, ids: torch.Tensor) -> torch.Tensor:

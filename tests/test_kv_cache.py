@@ -66,6 +66,15 @@ def test_keep_contiguous_is_a_no_op_copy():
         assert torch.equal(cache.k[layer, :, 2:5], k[layer][:, :3])
 
 
+def test_commit_is_keep_of_the_first_entries():
+    a, b = KVCache(2, 1, 4, 16, torch.float32, "cpu"), KVCache(2, 1, 4, 16, torch.float32, "cpu")
+    for cache in (a, b):
+        cache.write(0, torch.arange(12.0).view(1, 3, 4), torch.ones(1, 3, 4))
+    a.commit(2)
+    b.keep(torch.arange(2))
+    assert a.length == b.length == 2 and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
 def test_keep_nothing_and_reset():
     cache, _, _ = _filled()
     cache.keep(torch.tensor([], dtype=torch.long))
