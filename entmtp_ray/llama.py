@@ -74,8 +74,10 @@ class Projection:
 
     bf16 on CPU: W prepacked once into oneDNN's blocked layout (measured on 2 cores, 1536x576, cold
     weights: 0.091 ms against 0.134 for bf16 F.linear at 1 row; 0.119 against 0.187 at 16 rows, and
-    0.359 for the fp32 product). Bitwise equal to F.linear at every row count, so a tree's
-    projections round as a one-token step's do (its multi-row attention may not). Autograd never
+    0.359 for the fp32 product). A row rounds the same at every row count (one row is computed as
+    four, `_ONE_ROW_AS`), so a tree's projections round as a one-token step's do; its attention
+    still may not (SDPA's CPU kernel rounds a head with 3 or fewer query rows its own way; padding the
+    rows to 4 cost 10% of a step and left 1 step in 4 differing, so it was not kept). Autograd never
     takes the packed path (it has no backward); training gets `matmul_rows`.
     """
 
@@ -105,8 +107,20 @@ class Projection:
         if self.packed is not None and not torch.is_grad_enabled():
             if self.draft_gemv and x.numel() == x.shape[-1]:
                 return _native_gemv(x, self.weight, self.bias)
+            if x.numel() == x.shape[-1]:  # one row, computed as 4 so that it rounds as a tree's rows do
+                rows = x.reshape(1, -1).expand(_ONE_ROW_AS, -1).contiguous()
+                out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+                return out[:1].view(*x.shape[:-1], -1)
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return matmul_rows(x, self.weight, self.bias)
+
+
+# oneDNN's packed product takes a kernel of its own for a single row, and for SmolLM2's down
+# projection (K = 1536) it rounds 1 in 15 real activations differently from the same row inside a
+# multi-row product (measured: 10 of 150 at 2, 3, 5 and 16 rows; 0 of 150 for every K = 576
+# projection), so a one-token step and a tree's root disagreed in the last bit. Four rows take the
+# multi-row kernel at no cost (forward + lm_head 21.2 ms at 1 row, 21.2 at 4, 21.4 at 3, 23.6 at 2).
+_ONE_ROW_AS = 4
 
 
 def _native_gemv(x, weight, bias):

@@ -35,6 +35,19 @@ def test_packed_bf16_projection_is_bitwise_f_linear(rows):
 
 
 @needs_onednn
+def test_one_row_rounds_as_it_does_inside_a_tree():
+    """oneDNN's own one-row kernel for a K = 1536 product (SmolLM2's down projection) rounds some rows
+    differently from the multi-row kernel (22 of these 200 here); a one-token step must not."""
+    gen = torch.Generator().manual_seed(0)
+    projection = Projection.of((0.03 * torch.randn(576, 1536, generator=gen)).bfloat16(), None)
+    with torch.inference_mode():
+        for _ in range(200):
+            rows = (torch.randn(8, 1536, generator=gen) * torch.rand(1536, generator=gen) ** 4).bfloat16()
+            assert torch.equal(projection(rows[:1])[0], projection(rows)[0])
+            assert torch.equal(projection(rows[None, :1])[0, 0], projection(rows)[0])  # [1, 1, K] as the layers pass it
+
+
+@needs_onednn
 def test_drafting_projection_takes_native_gemv_for_one_row_only_and_restores_onednn():
     gen = torch.Generator().manual_seed(7)
     weight = (0.05 * torch.randn(96, 80, generator=gen)).bfloat16()
