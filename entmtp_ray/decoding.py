@@ -17,7 +17,7 @@ from .acceptance import exact_accept, greedy_accept, next_token, typical_accept
 from .config import DecodingConfig
 from .heads import HeadsPlan, HydraHeads
 from .kv_cache import KVCache
-from .llama import Projection, forward_hidden, prepare
+from .llama import ONE_TOKEN_ROWS, Projection, forward_hidden, prepare
 from .loading import LoadedModel
 from .policy import Policy, Signal, make_signal
 from .tree import TreeBuffers, build_buffers, chain_topology, load_topology
@@ -264,7 +264,7 @@ class SpecDecoder:
         model, dev = self.loaded.model, self.loaded.device
         eos = self.loaded.eos_token_ids
         max_new = cfg.max_new_tokens
-        capacity = min(self.loaded.max_positions, len(prompt_ids) + max_new + self.max_nodes)
+        capacity = min(self.loaded.max_positions, len(prompt_ids) + max_new + max(self.max_nodes, ONE_TOKEN_ROWS))
         if len(prompt_ids) >= capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
                              f"{self.loaded.max_positions}-token context")

@@ -302,15 +302,35 @@ def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, tables, cache: KVCach
     return x + p.down(p.act(gate) * up)
 
 
+# A one-token step runs as this many copies of the token, each seeing the committed prefix and
+# itself, and keeps the first. Kernels round a row differently when there are few of them: oneDNN's
+# one-row product (see `_ONE_ROW_AS`) and CPU SDPA with 3 or fewer query rows per head (measured on
+# SmolLM2: a one-token step's rows differed in the last bit from the same row inside a tree in 5 of
+# 120 layer calls; 4 rows and up gave the bits of 192). With copies, node 0 of a tree and the
+# one-token step agree bit for bit (20 of 20 steps, against 9 with one padded projection row and 5
+# with none), so greedy trees leave AR's tokens only where attention over different tree shapes
+# does, for the price of ~1% of a step (one-token forward + lm_head 24.4 against 24.1 ms, paired).
+# Tried and not kept: every step reading one fixed key count (the cache's whole span, masked), which
+# made chain nodes agree too, but cost 1.5% and moved a Hydra-tree output 3 ulps from transformers'
+# logits in tests/test_greedy_exact.py, beyond the tie rule.
+ONE_TOKEN_ROWS = 4
+
+
 def forward_hidden(model, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
                    tree_mask: torch.Tensor | None = None, plan: ModelPlan | None = None) -> torch.Tensor:
     """Final (post-norm) hidden states [n, H] of `tokens` ([n]) at `positions` ([n]).
 
     New tokens see all committed cache entries plus `tree_mask` among themselves (causal when
-    None). Their k/v land in the cache's pending block; the caller decides what to keep.
+    None). Their k/v land in the cache's pending block; the caller decides what to keep. One token
+    writes `ONE_TOKEN_ROWS` pending entries where the cache has room (the first is the token's).
     `plan`: from `prepare(model)`, for callers that run many forwards on unchanged weights.
     """
     base, plan = model.model, plan or prepare(model)
+    if tokens.numel() == 1 and cache.length + ONE_TOKEN_ROWS <= cache.capacity:
+        # copies that see only themselves: the token's row takes the kernels a tree's rows take
+        tokens, positions = tokens.expand(ONE_TOKEN_ROWS), positions.expand(ONE_TOKEN_ROWS)
+        tree_mask = torch.eye(ONE_TOKEN_ROWS, dtype=torch.bool, device=tokens.device)
+        return forward_hidden(model, cache, tokens, positions, tree_mask, plan)[:1]
     x = base.embed_tokens(tokens)[None]  # [1, n, H]
     tables = rotary_tables(base.rotary_emb, x, positions)
     mask = attention_mask(tree_mask, cache.length, tokens.numel(), tokens.device,
