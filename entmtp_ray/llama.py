@@ -312,7 +312,9 @@ def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, tables, cache: KVCach
 # does, for the price of ~1% of a step (one-token forward + lm_head 24.4 against 24.1 ms, paired).
 # Tried and not kept: every step reading one fixed key count (the cache's whole span, masked), which
 # made chain nodes agree too, but cost 1.5% and moved a Hydra-tree output 3 ulps from transformers'
-# logits in tests/test_greedy_exact.py, beyond the tie rule.
+# logits in tests/test_greedy_exact.py, beyond the tie rule. Only for packed (oneDNN bf16) weights:
+# fp32's one-row product (`matmul_rows`) already rounds as its multi-row one, and 4 rows cost it
+# 30% of a step (GSM8K bench, fp32 AR 32.3 ms a step with copies against 24.6 without).
 ONE_TOKEN_ROWS = 4
 
 
@@ -322,11 +324,12 @@ def forward_hidden(model, cache: KVCache, tokens: torch.Tensor, positions: torch
 
     New tokens see all committed cache entries plus `tree_mask` among themselves (causal when
     None). Their k/v land in the cache's pending block; the caller decides what to keep. One token
-    writes `ONE_TOKEN_ROWS` pending entries where the cache has room (the first is the token's).
+    on packed weights writes `ONE_TOKEN_ROWS` pending entries where the cache has room (the first
+    is the token's).
     `plan`: from `prepare(model)`, for callers that run many forwards on unchanged weights.
     """
     base, plan = model.model, plan or prepare(model)
-    if tokens.numel() == 1 and cache.length + ONE_TOKEN_ROWS <= cache.capacity:
+    if tokens.numel() == 1 and plan.lm_head.packed is not None and cache.length + ONE_TOKEN_ROWS <= cache.capacity:
         # copies that see only themselves: the token's row takes the kernels a tree's rows take
         tokens, positions = tokens.expand(ONE_TOKEN_ROWS), positions.expand(ONE_TOKEN_ROWS)
         tree_mask = torch.eye(ONE_TOKEN_ROWS, dtype=torch.bool, device=tokens.device)
