@@ -28,7 +28,6 @@ from .llama import (
     decoder_layer,
     linear,
     projection,
-    query_groups,
     rotary_tables,
 )
 
@@ -150,9 +149,9 @@ class HydraHeads(nn.Module):
             return base_hidden
         x = base_hidden[None]
         n = x.shape[1]
-        mask = attention_mask(None, cache.length, n, x.device, query_groups(self.prefix_layer.self_attn))
-        out = decoder_layer(self.prefix_layer, x, rotary_tables(rotary_emb, x, positions), cache, 0, mask,
-                            plan.prefix if plan is not None else None)
+        layer_plan = plan.prefix if plan is not None else LayerPlan.of(self.prefix_layer)
+        mask = attention_mask(None, cache.length, n, x.device, layer_plan.groups)
+        out = decoder_layer(self.prefix_layer, x, rotary_tables(rotary_emb, x, positions), cache, 0, mask, layer_plan)
         cache.commit(n)
         return self.prefix_norm(out)[0]
 

@@ -22,11 +22,6 @@ def rotary(rotary_emb: torch.nn.Module, like: torch.Tensor, positions: torch.Ten
     return rotary_emb(like, positions[None])
 
 
-def query_groups(attn: torch.nn.Module) -> int:
-    """Query heads per key/value head (1 without grouped-query attention)."""
-    return attn.q_proj.out_features // attn.k_proj.out_features
-
-
 def attention_mask(tree_mask: torch.Tensor | None, committed: int, n: int, device,
                    groups: int = 1) -> torch.Tensor | None:
     """Boolean [groups * n, committed + n] mask (True = attend), or None when one token sees everything.
@@ -75,10 +70,9 @@ class Projection:
     bf16 on CPU: W prepacked once into oneDNN's blocked layout (measured on 2 cores, 1536x576, cold
     weights: 0.091 ms against 0.134 for bf16 F.linear at 1 row; 0.119 against 0.187 at 16 rows, and
     0.359 for the fp32 product). A row rounds the same at every row count (one row is computed as
-    four, `_ONE_ROW_AS`), so a tree's projections round as a one-token step's do; its attention
-    still may not (SDPA's CPU kernel rounds a head with 3 or fewer query rows its own way; padding the
-    rows to 4 cost 10% of a step and left 1 step in 4 differing, so it was not kept). Autograd never
-    takes the packed path (it has no backward); training gets `matmul_rows`.
+    four, `_ONE_ROW_AS`), so a tree's projections round as a one-token step's do (for attention,
+    `forward_hidden` runs a one-token step as `ONE_TOKEN_ROWS` copies). Autograd never takes the
+    packed path (it has no backward); training gets `matmul_rows`.
     """
 
     weight: torch.Tensor  # [out, in]
@@ -105,9 +99,10 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
-            if self.draft_gemv and x.numel() == x.shape[-1]:
-                return _native_gemv(x, self.weight, self.bias)
-            if x.numel() == x.shape[-1]:  # one row, computed as 4 so that it rounds as a tree's rows do
+            if x.numel() == x.shape[-1]:
+                if self.draft_gemv:
+                    return _native_gemv(x, self.weight, self.bias)
+                # one row, computed as 4 so that it rounds as a tree's rows do
                 rows = x.reshape(1, -1).expand(_ONE_ROW_AS, -1).contiguous()
                 out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
                 return out[:1].view(*x.shape[:-1], -1)
@@ -243,6 +238,11 @@ class LayerPlan:
                    Norm.of(layer.input_layernorm), Norm.of(layer.post_attention_layernorm), layer.mlp.act_fn,
                    attn.q_proj.out_features // hd, attn.k_proj.out_features // hd, hd, attn.scaling)
 
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 without grouped-query attention), for `attention_mask`."""
+        return self.heads // self.kv_heads
+
     def for_drafting(self) -> LayerPlan:
         """This plan with one-row products through the faster GEMV (`Projection.draft_gemv`)."""
         return dataclasses.replace(self, qkv=self.qkv.for_drafting(), gate_up=self.gate_up.for_drafting(),
@@ -282,7 +282,7 @@ def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, tables, cache: KVCach
                   mask: torch.Tensor | None, plan: LayerPlan | None = None) -> torch.Tensor:
     """One LlamaDecoderLayer on x ([1, n, H]); writes its k/v into the cache's pending block.
 
-    tables: from `rotary_tables`; mask: from `attention_mask(..., groups=query_groups(layer.self_attn))`.
+    tables: from `rotary_tables`; mask: from `attention_mask(..., groups=LayerPlan.groups)`.
     """
     p = plan or LayerPlan.of(layer)
     n, hd, heads, kv_heads = x.shape[1], p.head_dim, p.heads, p.kv_heads
@@ -336,8 +336,7 @@ def forward_hidden(model, cache: KVCache, tokens: torch.Tensor, positions: torch
         return forward_hidden(model, cache, tokens, positions, tree_mask, plan)[:1]
     x = base.embed_tokens(tokens)[None]  # [1, n, H]
     tables = rotary_tables(base.rotary_emb, x, positions)
-    mask = attention_mask(tree_mask, cache.length, tokens.numel(), tokens.device,
-                          query_groups(base.layers[0].self_attn))
+    mask = attention_mask(tree_mask, cache.length, tokens.numel(), tokens.device, plan.layers[0].groups)
     for i, (layer, layer_plan) in enumerate(zip(base.layers, plan.layers)):
         x = decoder_layer(layer, x, tables, cache, i, mask, layer_plan)
     return plan.norm(x)[0]
