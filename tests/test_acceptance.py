@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from entmtp_ray.acceptance import greedy_accept, next_token, typical_accept
+from entmtp_ray.acceptance import argmax_rows, greedy_accept, next_token, typical_accept
 from entmtp_ray.tree import build_buffers, load_topology, make_topology
 
 V = 8
@@ -290,3 +290,18 @@ def test_a_float_tie_is_two_units_in_the_last_place_of_the_logits_dtype():
     assert greedy_up_to_tie(logits, tokens, torch.bfloat16).tolist() == [True, False, True]
     assert greedy_up_to_tie(logits, tokens, torch.float32).tolist() == [False, False, True]
     assert greedy_up_to_tie(logits, torch.tensor([2, 0, 2]), torch.bfloat16).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_picks_the_first_of_tied_maxima_as_argmax(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49152, generator=gen).to(dtype)
+    for r in range(64):  # r % 4 + 1 exact copies of the row's maximum at random places, some before it
+        places = torch.randint(0, 49152, (r % 4 + 1,), generator=gen)
+        logits[r, places] = logits[r].max()
+    logits[0] = float("-inf")
+    logits[0, [9, 7]] = 0.0
+    got = argmax_rows(logits)
+    assert torch.equal(got, logits.argmax(-1))
+    assert int(got[0]) == 7
+    assert all(int(argmax_rows(row)) == int(row.argmax()) for row in logits[:8])
