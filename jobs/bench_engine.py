@@ -2,6 +2,7 @@
 per-step cost outside the base model's forward, and the cost of verifying n tree nodes.
 
     python jobs/bench_engine.py --prompts-file examples/bench_prompts.jsonl --repeats 3
+    python jobs/bench_engine.py --dtype bf16 --threads 2 --trees ar gsm8k-n5 hydra --bank banks/smollm2-135m-instruct/gsm8k.json
 
 Everything is measured side by side in one process, interleaved per prompt, medians over
 repeats. The last stdout line is a JSON summary.
@@ -19,11 +20,12 @@ from collections import defaultdict
 import torch
 
 from entmtp_ray import decoding
+from entmtp_ray.banks import load_bank
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decoding import HydraDrafter, SpecDecoder
 from entmtp_ray.kv_cache import KVCache
 from entmtp_ray.llama import forward_hidden, linear
-from entmtp_ray.loading import load_model, load_model_heads
+from entmtp_ray.loading import draft_vocab_for, load_model, load_model_heads
 from entmtp_ray.policy import FixedTree
 from entmtp_ray.tree import build_buffers, load_topology, make_topology
 
@@ -43,10 +45,25 @@ class Timers:
 
         return timed
 
+    def wrapped(self, obj, label):
+        """`obj` (e.g. a Projection) with its calls timed and its attributes intact."""
+        return _TimedObject(obj, self.timed(obj, label))
+
     def wrap(self, owner, name, label):
         original = getattr(owner, name)
         setattr(owner, name, self.timed(original, label))
         return original
+
+
+class _TimedObject:
+    def __init__(self, inner, timed_call):
+        self._inner, self._call = inner, timed_call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def hf_generate_tps(loaded, ids, max_new):
@@ -66,20 +83,23 @@ def ar_vs_generate(loaded, prompts, max_new, repeats):
     return statistics.median(ours), statistics.median(hf)
 
 
-def step_breakdown(loaded, heads, prompts, max_new, tree):
-    """Mean ms per step: base forward, lm_head, drafting, and everything else."""
+def step_breakdown(loaded, heads, draft_vocab, prompts, max_new, name, tree):
+    """Mean ms per step: base forward, lm_head, drafting, the heads' prefix layer (advance), and
+    everything else. `tree`: a tree name or a Topology."""
     timers = Timers()
     prepare = decoding.prepare
     originals = [timers.wrap(decoding, "forward_hidden", "base_forward"),
                  prepare,
-                 timers.wrap(HydraDrafter, "draft", "draft")]
+                 timers.wrap(HydraDrafter, "draft", "draft"),
+                 timers.wrap(HydraDrafter, "advance", "advance")]
     # the decoder calls the lm_head through its plan: time the plan's
     decoding.prepare = lambda model: dataclasses.replace(prepare(model),
-                                                         lm_head=timers.timed(prepare(model).lm_head, "lm_head"))
+                                                         lm_head=timers.wrapped(prepare(model).lm_head, "lm_head"))
     try:
-        drafter = HydraDrafter(heads, loaded.model) if tree != "ar" else None
-        decoder = SpecDecoder(loaded, drafter, FixedTree(tree, tree))
-        cfg = DecodingConfig(policy="fixed", tree=tree, max_new_tokens=max_new)
+        drafter = HydraDrafter(heads, loaded.model, draft_vocab) if name != "ar" else None
+        decoder = SpecDecoder(loaded, drafter, FixedTree(name, tree))
+        decoder.generate(prompts[0], DecodingConfig(policy="ar", max_new_tokens=8))  # warm-up
+        cfg = DecodingConfig(policy="ar", max_new_tokens=max_new)
         steps, decode_s, parts = 0, 0.0, defaultdict(float)
         for ids in prompts:
             timers.calls.clear()
@@ -87,10 +107,10 @@ def step_breakdown(loaded, heads, prompts, max_new, tree):
             steps += len(result.steps)
             decode_s += result.decode_s
             for label, calls in timers.calls.items():
-                # the prefill makes the first base forward and the first lm_head call; it is no step
-                parts[label] += sum(calls[1:] if label in ("base_forward", "lm_head") else calls)
+                # the prefill makes the first base forward, lm_head and advance call; they are no step
+                parts[label] += sum(calls[1:] if label in ("base_forward", "lm_head", "advance") else calls)
     finally:
-        decoding.forward_hidden, decoding.prepare, HydraDrafter.draft = originals
+        decoding.forward_hidden, decoding.prepare, HydraDrafter.draft, HydraDrafter.advance = originals
     per_step = {k: 1e3 * v / steps for k, v in parts.items()}
     per_step["step_total"] = 1e3 * decode_s / steps
     per_step["outside_base_forward"] = per_step["step_total"] - per_step.get("base_forward", 0.0)
@@ -129,10 +149,21 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped ones; "
+                        "'untrained' = random heads)")
+    parser.add_argument("--trees", nargs="+", default=["ar", "hydra"],
+                        help="trees whose step is broken down: built-in names, or names in --bank")
+    parser.add_argument("--bank", default=None, help="a topology bank whose tree names --trees may use")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
+    bank = load_bank(args.bank) if args.bank else None
+    names = {t.name for t in bank.trees} if bank else set()
     loaded = load_model("smollm2-135m-instruct", dtype=args.dtype, device="cpu")
-    heads = load_model_heads(loaded, "untrained")
+    heads = load_model_heads(loaded, args.heads)
+    draft_vocab = draft_vocab_for("smollm2-135m-instruct", args.heads, None)
     with open(args.prompts_file) as f:
         prompts = [loaded.encode_prompt(json.loads(line)["prompt"]) for line in f if line.strip()]
     decoder = SpecDecoder(loaded, None, FixedTree("ar", "ar"))
@@ -141,8 +172,9 @@ def main():
 
     ours, hf = ar_vs_generate(loaded, prompts, args.max_new_tokens, args.repeats)
     print(f"AR tokens/s median: ours {ours:.1f}, transformers generate {hf:.1f}, ratio {ours / hf:.2f}x")
-    breakdown = {tree: step_breakdown(loaded, heads, prompts[:3], args.max_new_tokens, tree)
-                 for tree in ("ar", "hydra")}
+    breakdown = {name: step_breakdown(loaded, heads, draft_vocab, prompts[:3], args.max_new_tokens, name,
+                                      bank.topology(name) if name in names else name)
+                 for name in args.trees}
     for tree, parts in breakdown.items():
         print(f"per-step ms ({tree}): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     hydra = load_topology("hydra")

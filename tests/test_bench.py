@@ -70,3 +70,33 @@ def test_bench_config_errors_fail_before_any_work(tmp_path, capsys):
     assert rc == 2
     assert "--task or --bank" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+ENGINE_SPEC = importlib.util.spec_from_file_location("bench_engine_job", ROOT / "jobs" / "bench_engine.py")
+bench_engine = importlib.util.module_from_spec(ENGINE_SPEC)
+ENGINE_SPEC.loader.exec_module(bench_engine)
+
+
+def test_engine_step_breakdown_times_every_part_of_a_tree_step():
+    """jobs/bench_engine.py's per-step breakdown on the embedded model with its shipped heads and a bank
+    tree: each part is timed, the parts fit inside the step, and the decoder's functions come back."""
+    from entmtp_ray import decoding
+    from entmtp_ray.banks import load_bank
+    from entmtp_ray.decoding import HydraDrafter
+    from entmtp_ray.loading import draft_vocab_for, load_model, load_model_heads
+
+    loaded = load_model("smollm2-135m-instruct", dtype="bf16", device="cpu")
+    heads = load_model_heads(loaded, None)
+    vocab = draft_vocab_for("smollm2-135m-instruct", None, None)
+    bank = load_bank(ROOT / "banks" / "smollm2-135m-instruct" / "gsm8k.json")
+    prompts = [loaded.encode_prompt("What is 12 times 7? Answer briefly.")]
+    before = decoding.forward_hidden, decoding.prepare, HydraDrafter.draft, HydraDrafter.advance
+    parts = bench_engine.step_breakdown(loaded, heads, vocab, prompts, 12, bank.policy.star,
+                                        bank.topology(bank.policy.star))
+    assert (decoding.forward_hidden, decoding.prepare, HydraDrafter.draft, HydraDrafter.advance) == before
+    assert {"base_forward", "lm_head", "draft", "advance"} <= parts.keys()
+    timed = parts["base_forward"] + parts["lm_head"] + parts["draft"] + parts["advance"]
+    assert all(parts[k] > 0 for k in ("base_forward", "lm_head", "draft", "advance"))
+    assert timed < parts["step_total"] and parts["outside_base_forward"] > parts["draft"]
+    ar = bench_engine.step_breakdown(loaded, heads, vocab, prompts, 12, "ar", "ar")
+    assert "draft" not in ar and ar["base_forward"] > 0
