@@ -103,12 +103,13 @@ def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path):
     args = job_args(tiny_model_dirs, data, out, "--policy", "ar", "--max-new-tokens", "40")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
-    while time.time() < deadline and len(list(out.glob("*.parquet"))) < 3:
+    while time.time() < deadline and len(readable_rows(out)) < 3:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     subprocess.run(["pkill", "-9", "-f", "ray::"], check=False)
-    first = {r["id"]: r["started_at"] for r in read_output(out)}
+    # a file cut short by the kill is no output: --resume sets it aside and redoes its rows
+    first = {r["id"]: r["started_at"] for r in readable_rows(out)}
     assert 3 <= len(first) < 16, f"the job should have been stopped part-way, wrote {len(first)} rows"
 
     proc = run_job(args + ["--resume"])
@@ -190,3 +191,23 @@ def test_unwritable_or_used_output_fails_before_any_actor(tiny_model_dirs, tmp_p
     (used / "part-x.parquet").write_text("")
     proc = run_job(job_args(tiny_model_dirs, data, used))
     assert proc.returncode == 2 and "--resume" in proc.stderr
+
+
+def test_resume_sets_aside_files_a_stopped_job_cut_short(tmp_path):
+    """A Parquet file left empty or truncated by a killed writer is moved to .unreadable/ (so the
+    output reads again) and its rows count as not done; whole files count."""
+    import pyarrow.parquet as pq
+
+    from entmtp_ray.ray_stage import finished_ids
+
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(pa.table({"id": ["a", "b"], "x": [1, 2]}), out / "part-0.parquet")
+    pq.write_table(pa.table({"id": ["c", "d"], "x": [3, 4]}), tmp_path / "whole.parquet")
+    whole = (tmp_path / "whole.parquet").read_bytes()
+    (out / "part-1.parquet").write_bytes(whole[: len(whole) // 2])
+    (out / "part-2.parquet").write_bytes(b"")
+    assert finished_ids(str(out)) == {"a", "b"}
+    assert sorted(p.name for p in (out / ".unreadable").iterdir()) == ["part-1.parquet", "part-2.parquet"]
+    assert sorted(r["id"] for r in read_output(out)) == ["a", "b"]
+    assert finished_ids(str(tmp_path / "missing")) == set()
