@@ -161,6 +161,12 @@ def main():
 
     bank = load_bank(args.bank) if args.bank else None
     names = {t.name for t in bank.trees} if bank else set()
+    for name in args.trees:  # an unknown tree fails here, before minutes of measuring
+        if name not in names:
+            try:
+                load_topology(name)
+            except (ValueError, OSError) as exc:
+                parser.error(f"--trees {name}: {exc}" + ("" if bank else "; bank trees need --bank FILE"))
     loaded = load_model("smollm2-135m-instruct", dtype=args.dtype, device="cpu")
     heads = load_model_heads(loaded, args.heads)
     draft_vocab = draft_vocab_for("smollm2-135m-instruct", args.heads, None)
