@@ -10,8 +10,9 @@
 2. One teacher-forced pass per rollout ranks every true next token under the head that would draft
    it (calibration.measure_rollout).
 3. Greedy tree growth (Algorithm 1) to --budget nodes; candidates at a ladder of sizes.
-4. Each candidate's step time measured here, with the actor's thread count; its tokens/s and
-   accepted length are the exact greedy replay of the calibration rollouts with its own tree.
+4. Each candidate's step time measured here, with the actor's thread count, side by side per
+   timing prompt (every tree back to back, rotated); its tokens/s and accepted length are the
+   exact greedy replay of the calibration rollouts with its own tree.
 5. Pareto frontier over (nodes, accepted length), then the sweeps that choose entmtp-star, the
    ladder and the hysteresis pair per signal. Every stage is saved under --work and resumes.
 """
@@ -37,8 +38,8 @@ from entmtp_ray.cli import add_model_args, model_config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig  # noqa: E402
 from entmtp_ray.decoding import SpecDecoder, row_generator  # noqa: E402
 from entmtp_ray.engine import Engine  # noqa: E402
-from entmtp_ray.loading import PROJECT_ROOT  # noqa: E402
 from entmtp_ray.growth import AcceptanceTable, accepted_lengths, grow_trees, pareto_frontier  # noqa: E402
+from entmtp_ray.loading import PROJECT_ROOT  # noqa: E402
 from entmtp_ray.policy import FixedTree  # noqa: E402
 from entmtp_ray.tasks import TASKS, load_prompts  # noqa: E402
 from entmtp_ray.tree import make_topology  # noqa: E402
@@ -77,25 +78,43 @@ def measure_tables(engine: Engine, rollout_dir: Path, work: Path) -> list[Rollou
 
 def step_seconds(engine: Engine, trees: dict[str, frozenset], prompts: list[str], new_tokens: int,
                  work: Path) -> tuple[dict[str, float], float]:
-    """Seconds per decoding step of each tree (median over prompts), and mean prefill seconds."""
+    """Seconds per decoding step of each tree (median over prompts), and mean prefill seconds.
+
+    The trees are timed side by side: each prompt runs every tree back to back, in an order rotated
+    per prompt, so a machine that slows down during the timing slows every tree alike (timed one
+    tree after another, a 1-node tree once measured slower than a 5-node one). Each finished prompt
+    is saved, so a stopped build resumes within the timing.
+    """
     cache = work / "step_seconds.json"
-    saved = json.loads(cache.read_text()) if cache.is_file() else {"steps": {}, "prefill": []}
+    saved = json.loads(cache.read_text()) if cache.is_file() else {}
+    prefill = saved.get("prefill", [])
+    if set(trees) <= set(saved.get("steps", {})):  # a finished timing
+        return {name: saved["steps"][name] for name in trees}, sum(prefill) / len(prefill)
     cfg = DecodingConfig(policy="fixed", tree="ar", max_new_tokens=new_tokens)
+    decoders = {}
     for name, paths in trees.items():
-        if name in saved["steps"]:
-            continue
         topology = make_topology(sorted(paths, key=lambda p: (len(p), p)), name)
-        decoder = SpecDecoder(engine.loaded, engine.decoder.drafter, FixedTree(name, topology))
-        decoder.generate(engine.encode(prompts[0]), cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
-        per_prompt = []
-        for k, prompt in enumerate(prompts):
-            result = decoder.generate(engine.encode(prompt), cfg, row_generator(0, str(k), engine.loaded.device))
-            per_prompt.append(result.decode_s / max(1, len(result.steps)))
-            saved["prefill"].append(result.prefill_s)
-        saved["steps"][name] = sorted(per_prompt)[len(per_prompt) // 2]
-        cache.write_text(json.dumps(saved))
-        print(f"  {name}: {1000 * saved['steps'][name]:.1f} ms/step", file=sys.stderr)
-    return saved["steps"], sum(saved["prefill"]) / len(saved["prefill"])
+        decoders[name] = SpecDecoder(engine.loaded, engine.decoder.drafter, FixedTree(name, topology))
+        decoders[name].generate(engine.encode(prompts[0]), cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
+    names = list(trees)
+    rounds: list[dict[str, float]] = saved.get("rounds", [])  # per prompt: tree -> seconds per step
+    for k, prompt in enumerate(prompts):
+        if k == len(rounds):
+            rounds.append({})
+        ids = engine.encode(prompt)
+        for name in names[k % len(names):] + names[: k % len(names)]:
+            if name not in rounds[k]:
+                result = decoders[name].generate(ids, cfg, row_generator(0, str(k), engine.loaded.device))
+                rounds[k][name] = result.decode_s / max(1, len(result.steps))
+                prefill.append(result.prefill_s)
+        cache.write_text(json.dumps({"rounds": rounds, "prefill": prefill}))
+    steps = {}
+    for name in names:
+        per_prompt = sorted(r[name] for r in rounds[: len(prompts)])
+        steps[name] = per_prompt[len(per_prompt) // 2]
+        print(f"  {name}: {1000 * steps[name]:.1f} ms/step", file=sys.stderr)
+    cache.write_text(json.dumps({"rounds": rounds, "prefill": prefill, "steps": steps}))
+    return steps, sum(prefill) / len(prefill)
 
 
 def project_relative(path: str) -> str:

@@ -130,7 +130,8 @@ def test_bank_policy_without_task_or_bank_fails_before_loading():
 @pytest.mark.slow
 def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     """jobs/build_bank.py on real local Ray with the tiny model: rollouts, rank tables, growth,
-    timings, sweeps -> a bank that loads; a second run reuses every cached stage."""
+    timings, sweeps -> a bank that loads; a run stopped during the timing resumes it; a finished run's
+    rerun reuses every cached stage."""
     import subprocess
     import sys
 
@@ -140,7 +141,7 @@ def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     out, work = tmp_path / "bank.json", tmp_path / "work"
     args = [sys.executable, str(Path(__file__).resolve().parent.parent / "jobs" / "build_bank.py"),
             "--task", "gsm8k", "--dataset", str(SHARED_DATA / "gsm8k" / "train.jsonl"), "--prompts", "4",
-            "--max-new-tokens", "24", "--budget", "8", "--timing-prompts", "1", "--model", str(model_dir),
+            "--max-new-tokens", "24", "--budget", "8", "--timing-prompts", "2", "--model", str(model_dir),
             "--heads", str(heads_dir), "--out", str(out), "--work", str(work)]
     first = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -152,9 +153,27 @@ def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     assert taus == sorted(taus), "the frontier's accepted length grows with its nodes"
     for name in ("tables.json", "step_seconds.json", "sweep.json"):
         assert (work / name).is_file(), name
-    stamp = (work / "step_seconds.json").stat().st_mtime
+    timing = json.loads((work / "step_seconds.json").read_text())
+    trees = set(timing["steps"])
+    assert {t.name for t in bank.trees} <= trees
+    assert len(timing["rounds"]) == 2 and all(set(r) == trees for r in timing["rounds"]), "side by side per prompt"
+
+    # stopped during the timing: the second prompt's round had not reached one tree
+    cut = sorted(trees)[0]
+    del timing["steps"], timing["rounds"][1][cut]
+    (work / "step_seconds.json").write_text(json.dumps(timing))
     second = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "0 to go" in second.stderr and (work / "step_seconds.json").stat().st_mtime == stamp
+    resumed = json.loads((work / "step_seconds.json").read_text())
+    assert resumed["rounds"][0] == timing["rounds"][0] and set(resumed["rounds"][1]) == trees
+    assert all(resumed["rounds"][1][n] == timing["rounds"][1][n] for n in trees - {cut}), "timed trees were redone"
+
+    resumed_bank = load_bank(out, max_depth=4)
+    assert [t.name for t in resumed_bank.trees] == [t.name for t in bank.trees]  # the frontier needs no timing
+
+    stamp = (work / "step_seconds.json").stat().st_mtime
+    third = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "0 to go" in third.stderr and (work / "step_seconds.json").stat().st_mtime == stamp
     again = load_bank(out, max_depth=4)
-    assert again.trees == bank.trees and again.policy == bank.policy
+    assert again.trees == resumed_bank.trees and again.policy == resumed_bank.policy
