@@ -93,8 +93,11 @@ def step_breakdown(loaded, heads, draft_vocab, prompts, max_new, name, tree):
                  timers.wrap(HydraDrafter, "draft", "draft"),
                  timers.wrap(HydraDrafter, "advance", "advance")]
     # the decoder calls the lm_head through its plan: time the plan's
-    decoding.prepare = lambda model: dataclasses.replace(prepare(model),
-                                                         lm_head=timers.wrapped(prepare(model).lm_head, "lm_head"))
+    def timed_prepare(model):
+        plan = prepare(model)
+        return dataclasses.replace(plan, lm_head=timers.wrapped(plan.lm_head, "lm_head"))
+
+    decoding.prepare = timed_prepare
     try:
         drafter = HydraDrafter(heads, loaded.model, draft_vocab) if name != "ar" else None
         decoder = SpecDecoder(loaded, drafter, FixedTree(name, tree))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -110,8 +111,7 @@ def step_seconds(engine: Engine, trees: dict[str, frozenset], prompts: list[str]
         cache.write_text(json.dumps({"rounds": rounds, "prefill": prefill}))
     steps = {}
     for name in names:
-        per_prompt = sorted(r[name] for r in rounds[: len(prompts)])
-        steps[name] = per_prompt[len(per_prompt) // 2]
+        steps[name] = statistics.median_high(r[name] for r in rounds[: len(prompts)])
         print(f"  {name}: {1000 * steps[name]:.1f} ms/step", file=sys.stderr)
     cache.write_text(json.dumps({"rounds": rounds, "prefill": prefill, "steps": steps}))
     return steps, sum(prefill) / len(prefill)

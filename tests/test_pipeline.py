@@ -133,6 +133,7 @@ def test_node_removed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     worker = cluster.add_node(num_cpus=4)  # the only node an actor (3 CPUs) fits on
     ray.init(address=cluster.address)
+    thread = None
     try:
         job = JobConfig(dataset=str(data), prompt_column="text", id_column="uid", output=str(tmp_path / "out"),
                         cpus_per_actor=3, address=cluster.address)
@@ -158,7 +159,7 @@ def test_node_removed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
         assert result["duplicates"] == 0 and result["errors"] == 0
     finally:
         ray.shutdown()
-        if "thread" in locals():
+        if thread is not None:
             thread.join(timeout=60)  # a pipeline cut short by a failed assert ends once Ray is gone
         ray.shutdown()  # in case its last call reconnected the driver
         cluster.shutdown()
