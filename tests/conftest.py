@@ -1,10 +1,16 @@
-"""Shared fixtures for the fast CPU tests: a tiny random Llama base model."""
+"""Shared fixtures for the fast CPU tests: a tiny random Llama base model. The suite never reaches
+the network: the hub and datasets libraries run offline (set before they are imported, and
+inherited by every job and Ray worker a test starts), so a test that needs the hub fails at once."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import os
+
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def make_tiny_llama(seed: int = 0) -> LlamaForCausalLM:

@@ -71,6 +71,23 @@ def test_policy_must_use_trees_of_the_bank():
         PolicyParams(star="n1", signals={"entropy": ok, "vibes": ok})
 
 
+def test_bank_consistency_checks_name_what_is_wrong(tmp_path):
+    with pytest.raises(ValidationError, match="bank tree names must be unique"):
+        make_bank(trees=[*make_bank().trees, BankTree(name="n3", paths=[[0]], nodes=2)])
+    for trees, thresholds in [(["n5", "n3", "n1"], [1.5, 0.5]), (["n5", "n3", "n1"], [0.5]), (["n5"], [0.5])]:
+        with pytest.raises(ValidationError, match="ascending and one fewer than ladder_trees"):
+            SignalParams(ladder_trees=trees, ladder_thresholds=thresholds, conservative="n1", aggressive="n5",
+                         tau_on=0.1, tau_off=0.2)
+    SignalParams(ladder_trees=["n5", "n3", "n1"], ladder_thresholds=[0.5, 0.5], conservative="n1", aggressive="n5",
+                 tau_on=0.1, tau_off=0.2)  # equal thresholds are ascending: the middle tree is never used
+    raw = json.loads(make_bank().model_dump_json())
+    raw["trees"][1]["nodes"] = 4
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="tree 'n3' says 4 nodes but has 3; rebuild the bank"):
+        load_bank(path)
+
+
 def test_bank_policies_by_name_and_signal_flag():
     from entmtp_ray.config import DecodingConfig
     from entmtp_ray.policy import make_policy
@@ -97,8 +114,8 @@ def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path,
     model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
     from entmtp_ray.calibration import measure_rollout
 
-    engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=40))
-    reference = engine.generate("r", "Write a poem.")
+    reference = Engine(model_cfg, DecodingConfig(policy="ar", max_new_tokens=40)).generate("r", "Write a poem.")
+    engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=40))  # its heads rank the drafts
     ids = engine.encode("Write a poem.")
     seen = sorted(measure_rollout(engine.decoder, ids + reference.output_token_ids, len(ids), (16, 8, 8, 8, 8)).entropy)
     q = [seen[int(f * (len(seen) - 1))] for f in (0.3, 0.4, 0.5, 0.6, 0.7)]

@@ -143,14 +143,43 @@ def test_the_test_rejects_a_biased_sampler(tiny, reference, monkeypatch, biased)
     assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", tree), "exact"), probs) < ALPHA
 
 
-def test_exact_at_temperature_zero_is_greedy(tiny, reference):
-    loaded, drafter = tiny
-    _, tree = reference
-    outputs = {}
-    for rule in ("greedy", "exact"):
-        cfg = DecodingConfig(policy="fixed", temperature=0.0, acceptance=rule, max_new_tokens=20)
-        outputs[rule] = SpecDecoder(loaded, drafter, FixedTree("fixed", tree)).generate(PROMPT, cfg).output_token_ids
-    assert outputs["exact"] == outputs["greedy"]
+@pytest.mark.parametrize("seed", range(40))
+def test_exact_at_a_tiny_temperature_accepts_what_greedy_accepts(seed):
+    """Crafted logits with gaps of at least 0.25 between any two tokens: at T=1e-3 every
+    distribution is one-hot to within exp(-250), so exact acceptance must take greedy's path,
+    reject exactly the last node's drafted children (none is the argmax), and the residual's
+    sample must be the argmax. (At T=0 the decoder sends exact to greedy, so T=0 proves nothing.)"""
+    from entmtp_ray.acceptance import exact_accept, greedy_accept, next_token
+    from entmtp_ray.tree import build_buffers, make_topology
+
+    rng = torch.Generator().manual_seed(seed)
+    buffers = build_buffers(make_topology(TREE))
+    vocab = 6
+    logits = torch.stack([torch.randperm(vocab, generator=rng).float() * 0.25
+                          for _ in range(buffers.scored_nodes.numel())])  # [scored, V], distinct values
+    best = logits.argmax(-1)
+    tokens = torch.empty(buffers.num_nodes, dtype=torch.long)
+    tokens[0] = 0
+    for node, kids in enumerate(buffers.children):  # siblings distinct; the argmax drafted 3 times in 4
+        if not kids:
+            continue
+        row = int(buffers.row_of_node[node])
+        order = torch.randperm(vocab, generator=rng)
+        if torch.rand((), generator=rng) < 0.75:
+            order = torch.cat([best[row][None], order[order != best[row]]])
+            order = order[torch.randperm(len(kids), generator=rng).tolist() + list(range(len(kids), vocab))]
+        else:
+            order = order[order != best[row]]
+        tokens[list(kids)] = order[: len(kids)]
+    want = greedy_accept(tokens, logits, buffers.row_of_node, buffers.retrieve_indices).tolist()
+    path, rejected = exact_accept(tokens.tolist(), logits, buffers.row_of_node, buffers.children, 1e-3,
+                                  torch.Generator().manual_seed(seed))
+    assert path == want
+    last = path[-1]
+    assert rejected == [int(tokens[c]) for c in buffers.children[last]]
+    if buffers.children[last]:
+        residual = logits[int(buffers.row_of_node[last])].index_fill(0, torch.tensor(rejected), float("-inf"))
+        assert next_token(residual, 1e-3, torch.Generator().manual_seed(seed)) == int(best[buffers.row_of_node[last]])
 
 
 def test_exact_acceptance_reproduces_with_the_seed_and_varies_across_seeds(tiny, reference):

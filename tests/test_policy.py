@@ -47,10 +47,11 @@ def test_hysteresis_switches_past_each_threshold_and_resets():
     policy = HysteresisPolicy("entmtp-tau", "small", "big", tau_on=1.0, tau_off=2.0,
                               signal=make_signal("entropy", beta=0.0, initial=1.5))
     trail = []
-    for h in [1.5, 0.9, 1.5, 1.9, 2.1, 1.5, 1.0]:
+    for h in [1.5, 0.9, 1.5, 1.9, 2.1, 1.5, 1.0, 1.9999, 2.0, 1.0001]:
         policy.observe(Step(entropy=(h,)))
         trail.append(policy.choose())
-    assert trail == ["small", "big", "big", "big", "small", "small", "big"]
+    # a signal exactly at a threshold crosses it: tau_on = 1.0 goes aggressive, tau_off = 2.0 goes back
+    assert trail == ["small", "big", "big", "big", "small", "small", "big", "big", "small", "small"]
     policy.reset()
     assert policy.choose() == "small"
     with pytest.raises(ValueError, match="tau_on < tau_off"):

@@ -1,0 +1,232 @@
+"""The decode loop on a tiny random Llama whose drafts are accepted (tests/oracle.py): long and
+non-contiguous accepted paths, EOS and the token limit inside an accepted run, the context-window
+fallback, switching trees on a signal recomputed by hand, and greedy equality with AR throughout
+(fp32, so equality is exact). The KV cache's kept rows are checked against a fresh prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from entmtp_ray.config import DecodingConfig
+from entmtp_ray.decoding import SpecDecoder
+from entmtp_ray.kv_cache import KVCache
+from entmtp_ray.llama import forward_hidden
+from entmtp_ray.loading import LoadedModel
+from entmtp_ray.policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
+from entmtp_ray.tree import chain_topology, make_topology
+from oracle import OracleDrafter
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+MAX_NEW = 48
+# 3 children at the root, 2 below the first, chains below: the rank-0 path's nodes are 0, 1, 4, 7, 9
+BRANCHY = make_topology([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]], "branchy")
+CHAIN4 = chain_topology(4)
+CHAIN1 = chain_topology(1)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama):
+    return LoadedModel(name="tiny", model=tiny_llama, tokenizer=SimpleNamespace(decode=lambda ids, **_: ""),
+                       chat_format="raw", dtype=torch.float32, device=torch.device("cpu"), eos_token_ids=frozenset())
+
+
+@pytest.fixture(scope="module")
+def reference(loaded) -> list[int]:
+    """Plain greedy decoding of PROMPT: transformers' generate, and our AR loop must agree."""
+    with torch.inference_mode():
+        want = loaded.model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=MAX_NEW,
+                                     pad_token_id=0, eos_token_id=None)[0, len(PROMPT):].tolist()
+    ar = SpecDecoder(loaded, None, FixedTree("ar", "ar")).generate(PROMPT, DecodingConfig(policy="ar",
+                                                                                          max_new_tokens=MAX_NEW))
+    assert ar.output_token_ids == want and ar.finish_reason == "length"
+    assert all(s.accepted_length == 1 for s in ar.steps) and len(ar.steps) == MAX_NEW - 1
+    return want
+
+
+@pytest.fixture(scope="module")
+def forced_logits(loaded, reference) -> torch.Tensor:
+    """[MAX_NEW, V] teacher-forced logits: row i is the distribution after output token i."""
+    with torch.inference_mode():
+        return loaded.model(torch.tensor([PROMPT + reference])).logits[0, len(PROMPT):].float()
+
+
+def decode(loaded, reference, policy, plan=None, **cfg):
+    drafter = OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size, **({"plan": plan} if plan else {}))
+    decoder = SpecDecoder(loaded, drafter, policy)
+    cfg = DecodingConfig(**{"policy": "fixed", "max_new_tokens": MAX_NEW, **cfg})
+    generator = torch.Generator().manual_seed(0)
+    return decoder, decoder.generate(PROMPT, cfg, generator)
+
+
+def assert_cache_holds_the_committed_prefix(loaded, decoder, result):
+    """The decoder's cache rows equal a fresh causal prefill of prompt + the output it committed."""
+    cache = decoder.cache
+    length = min(cache.length, len(PROMPT) + result.num_output_tokens - 1)
+    assert length > len(PROMPT)
+    tokens = torch.tensor(PROMPT + result.output_token_ids)[:length]
+    cfg = loaded.model.config
+    fresh = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                    length, torch.float32, "cpu")
+    with torch.inference_mode():
+        forward_hidden(loaded.model, fresh, tokens, torch.arange(length))
+    torch.testing.assert_close(cache.k[:, :, :length], fresh.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :length], fresh.v, atol=1e-5, rtol=1e-5)
+
+
+def rotating(call: int, depth: int) -> int | None:
+    """The truth at rank (call + depth) % 3 of its parent's children; missing at depth 3 every 4th call."""
+    return None if call % 4 == 3 and depth == 3 else call + depth
+
+
+@pytest.mark.parametrize("tree, plan, min_tau, longest", [
+    (CHAIN4, None, 4.5, 5),  # every step accepts the whole chain: contiguous rows
+    (BRANCHY, None, 4.5, 5),  # the rank-0 path runs over nodes 0, 1, 4, 7, 9: kept rows are not contiguous
+    (BRANCHY, rotating, 1.5, 5),  # later siblings and a depth-3 miss: paths end early and through ranks 1 and 2
+    ("hydra", rotating, 2.0, 4),  # Hydra's tree has ranks 0-1 only at depth 4
+])
+def test_accepted_oracle_paths_give_exactly_the_ar_tokens(loaded, reference, tree, plan, min_tau, longest):
+    decoder, result = decode(loaded, reference, FixedTree("fixed", tree), plan)
+    assert result.output_token_ids == reference and result.finish_reason == "length"
+    assert sum(result.step_accepted_lengths()) == MAX_NEW - 1  # the prefill's token is no step's
+    assert result.mean_accepted_length >= min_tau
+    lengths = set(result.step_accepted_lengths())
+    assert max(lengths) == longest, f"the longest path of the plan is accepted at least once: {sorted(lengths)}"
+    if plan is rotating:
+        assert len(lengths) >= 2, f"accepted lengths should vary, got {sorted(lengths)}"
+    assert_cache_holds_the_committed_prefix(loaded, decoder, result)
+
+
+def test_eos_inside_an_accepted_run_stops_there(loaded, reference):
+    # chain4 accepts 5 tokens a step after the prefill's one: step j emits output[5j-4 .. 5j]
+    k = next(i for i in range(6, MAX_NEW) if reference[i] not in reference[:i] and i % 5 in (2, 3, 4))
+    eos_model = dataclasses.replace(loaded, eos_token_ids=frozenset({reference[k]}))
+    decoder, result = decode(eos_model, reference, FixedTree("fixed", CHAIN4))
+    assert result.finish_reason == "stop"
+    assert result.output_token_ids == reference[: k + 1]
+    assert result.step_accepted_lengths()[-1] == k % 5  # EOS is a drafted token, not the step's last
+    assert sum(result.step_accepted_lengths()) == k
+    assert_cache_holds_the_committed_prefix(loaded, decoder, result)
+
+
+def test_token_limit_inside_an_accepted_run_cuts_the_run(loaded, reference):
+    decoder, result = decode(loaded, reference, FixedTree("fixed", CHAIN4), max_new_tokens=13)
+    assert result.finish_reason == "length" and result.output_token_ids == reference[:13]
+    assert result.step_accepted_lengths() == [5, 5, 2]
+
+
+def test_near_the_context_end_steps_fall_back_to_one_node_then_stop(loaded, reference, monkeypatch):
+    monkeypatch.setattr(loaded.model.config, "max_position_embeddings", len(PROMPT) + 22)
+    decoder, result = decode(loaded, reference, FixedTree("fixed", CHAIN4))
+    assert result.finish_reason == "context"
+    assert result.output_token_ids == reference[:23]  # 22 committed tokens and the token after them
+    trees = [s.tree for s in result.steps]
+    assert trees == ["chain4"] * 4 + ["ar"] * 2, trees  # 20 committed by 4 chains, the last 2 one by one
+    assert decoder.cache.length == len(PROMPT) + 22
+
+
+@pytest.mark.parametrize("temperature", [1e-4, 1e-3])
+@pytest.mark.parametrize("acceptance", ["exact", "typical"])
+def test_sampling_rules_at_a_tiny_temperature_give_the_greedy_tokens(loaded, reference, acceptance, temperature):
+    """Near T=0 the verifier's distribution is one-hot: exact and typical acceptance must accept the
+    oracle's true token at any rank and reject the rest, and the token after the path is the argmax."""
+    decoder, result = decode(loaded, reference, FixedTree("fixed", BRANCHY), rotating, temperature=temperature,
+                             acceptance=acceptance)
+    assert result.output_token_ids == reference
+    assert result.mean_accepted_length >= 1.5
+    assert_cache_holds_the_committed_prefix(loaded, decoder, result)
+
+
+@pytest.mark.parametrize("epsilon, alpha, accepts", [
+    (1.5, 100.0, False),  # threshold min(1.5, 100 exp(-H)) > 1: nothing can pass
+    (1e-30, 100.0, True),  # epsilon caps the threshold near 0
+    (100.0, 1e-30, True),  # alpha scales it near 0
+])
+def test_typical_epsilon_and_alpha_reach_the_rule(loaded, reference, epsilon, alpha, accepts):
+    _, result = decode(loaded, reference, FixedTree("fixed", BRANCHY), temperature=0.7, acceptance="typical",
+                       typical_epsilon=epsilon, typical_alpha=alpha)
+    assert (result.mean_accepted_length > 2.0) is accepts, result.step_accepted_lengths()
+    if not accepts:
+        assert set(result.step_accepted_lengths()) == {1}
+
+
+def ema_before_each_step(observations: list[float], lengths: list[int], beta: float, initial: float) -> list[float]:
+    """The signal a policy saw before each step: observations[i] belongs to output token i."""
+    want, s, seen = [], initial, 0
+    for n in lengths:
+        want.append(s)
+        for x in observations[seen: seen + n]:
+            s = beta * s + (1 - beta) * x
+        seen += n
+    return want
+
+
+def entropy_of(logits: torch.Tensor) -> list[float]:
+    log_p = torch.log_softmax(logits, -1)
+    return (-(log_p.exp() * log_p).sum(-1)).tolist()
+
+
+def test_a_switching_policy_switches_on_the_entropy_it_should_and_keeps_the_ar_tokens(loaded, reference,
+                                                                                         forced_logits):
+    entropy = entropy_of(forced_logits)
+    q = sorted(entropy)
+    on, off, initial = q[len(q) // 3], q[2 * len(q) // 3], q[len(q) // 2]
+    policy = HysteresisPolicy("entmtp-tau", CHAIN1, BRANCHY, on, off, make_signal("entropy", 0.5, initial))
+    decoder, result = decode(loaded, reference, policy, rotating)
+    assert result.output_token_ids == reference
+    assert result.tree_switches() >= 2 and set(result.tree_usage()) == {"chain1", "branchy"}
+    lengths = result.step_accepted_lengths()
+    assert max(lengths) >= 3, "multi-token steps must feed the signal"
+    signals = result.step_signals()
+    assert signals == pytest.approx(ema_before_each_step(entropy, lengths, 0.5, initial), abs=1e-4)
+    # and each step's tree is the one hysteresis picks from the signal before it (conservative first)
+    aggressive, chosen = False, []
+    for i, s in enumerate(signals):
+        if i and aggressive and s >= off:
+            aggressive = False
+        elif i and not aggressive and s <= on:
+            aggressive = True
+        chosen.append("branchy" if aggressive else "chain1")
+    assert [step.tree for step in result.steps] == chosen
+
+
+@pytest.mark.parametrize("signal", ["top1", "path"])
+def test_a_ladder_on_top1_signals_reads_the_verifier_at_every_accepted_token(loaded, reference, forced_logits,
+                                                                              signal):
+    top1 = torch.softmax(forced_logits, -1).amax(-1).tolist()
+    if signal == "top1":
+        observations = [1 - p for p in top1]
+    # the signal's observations: per token (top1), per step over ~3 accepted tokens (path)
+    span = 1 if signal == "top1" else 3
+    values = sorted(1 - float(torch.tensor(top1[i: i + span]).prod()) for i in range(len(top1) - span))
+    mid = values[len(values) // 2]
+    ladder = LadderPolicy("entmtp-ladder", [BRANCHY, CHAIN4, CHAIN1], [values[len(values) // 4], mid],
+                          make_signal(signal, 0.5, mid))
+    _, result = decode(loaded, reference, ladder, rotating)
+    assert result.output_token_ids == reference
+    assert len(result.tree_usage()) >= 2
+    lengths = result.step_accepted_lengths()
+    if signal == "top1":
+        want = ema_before_each_step(observations, lengths, 0.5, mid)
+    else:  # one observation per step: 1 - the product of top-1 probabilities along the accepted path
+        want, seen, s = [], 0, mid
+        for n in lengths:
+            want.append(s)
+            value = 1.0
+            for p in top1[seen: seen + n]:
+                value *= p
+            s = 0.5 * s + 0.5 * (1 - value)
+            seen += n
+    assert result.step_signals() == pytest.approx(want, abs=1e-4)
+
+
+def test_trace_signal_records_the_entropy_a_fixed_tree_would_switch_on(loaded, reference, forced_logits):
+    _, result = decode(loaded, reference, FixedTree("fixed", BRANCHY), rotating, trace_signal=True)
+    assert result.output_token_ids == reference
+    want = ema_before_each_step(entropy_of(forced_logits), result.step_accepted_lengths(), 0.9, 0.0)
+    assert result.step_signals() == pytest.approx(want, abs=1e-4)
+    _, plain = decode(loaded, reference, FixedTree("fixed", BRANCHY), rotating)
+    assert plain.step_signals() is None and all(s.entropy == [] and s.top1_prob == [] for s in plain.steps)
