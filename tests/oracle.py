@@ -23,7 +23,7 @@ class OracleDrafter:
     At each parent that lies on the true path, the true next token goes to the child of rank
     `plan(call, depth) % children` (None: nowhere); every other child gets a distinct wrong token.
     A rank above 0 puts the accepted path on later siblings, so the KV cache keeps a non-contiguous
-    set of tree rows. `calls` counts draft() calls (decoding steps that drafted).
+    set of tree rows. `drafts` keeps every draft() call's tokens (one list per decoding step).
     """
 
     def __init__(self, reference: list[int], prompt_len: int, vocab: int, max_depth: int = 4,
@@ -31,7 +31,7 @@ class OracleDrafter:
         self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab
         self.max_depth, self.plan = max_depth, plan
         self.committed = 0  # tokens in the base model's cache: prompt + committed output
-        self.calls = 0
+        self.drafts: list[list[int]] = []
 
     def begin(self, base_hidden, positions, capacity):
         self.committed = int(positions[-1]) + 1
@@ -50,7 +50,7 @@ class OracleDrafter:
                 continue
             target = at + depth_of[parent] + 1
             truth = self.reference[target] if on_path[parent] and target < len(self.reference) else None
-            rank = self.plan(self.calls, depth_of[parent] + 1) if truth is not None else None
+            rank = self.plan(len(self.drafts), depth_of[parent] + 1) if truth is not None else None
             slot = rank % len(kids) if rank is not None else None
             wrong = (t for t in range(self.vocab) if t != truth and t != root)
             for i, node in enumerate(kids):
@@ -58,5 +58,5 @@ class OracleDrafter:
                     tokens[node], on_path[node] = truth, True
                 else:
                     tokens[node] = next(wrong)
-        self.calls += 1
+        self.drafts.append(tokens)
         return torch.tensor(tokens, dtype=torch.long, device=buffers.depth_of.device)

@@ -140,6 +140,28 @@ def test_sampling_rules_at_a_tiny_temperature_give_the_greedy_tokens(loaded, ref
     assert_cache_holds_the_committed_prefix(loaded, decoder, result)
 
 
+def test_exact_sampling_never_emits_a_draft_it_rejected(loaded, reference):
+    """After a rejected draft the next token comes from the residual, which excludes it. On a chain
+    whose drafts are the greedy tokens (likely at T=0.7), a step that stops at depth d emits, as its
+    last token, anything but the depth-d draft it just rejected."""
+    rejections = 0
+    for seed in range(6):
+        drafter = OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size)
+        decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", CHAIN4))
+        cfg = DecodingConfig(policy="fixed", temperature=0.7, acceptance="exact", max_new_tokens=MAX_NEW)
+        result = decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed))
+        emitted = 1
+        for step, drafts in zip(result.steps, drafter.drafts):
+            a = step.accepted_length
+            new = result.output_token_ids[emitted: emitted + a]
+            assert new[:-1] == drafts[1:a], "accepted drafts are emitted as drafted"
+            if a < 5 and emitted + a < MAX_NEW:  # the depth-a draft was rejected, not cut by the limit
+                assert new[-1] != drafts[a]
+                rejections += 1
+            emitted += a
+    assert rejections >= 20
+
+
 @pytest.mark.parametrize("epsilon, alpha, accepts", [
     (1.5, 100.0, False),  # threshold min(1.5, 100 exp(-H)) > 1: nothing can pass
     (1e-30, 100.0, True),  # epsilon caps the threshold near 0

@@ -7,6 +7,11 @@ with Pearson's chi-square (cells expected below 5 pooled). Each check fails when
 below ALPHA, so a correct sampler fails it with probability ALPHA = 1e-3 over the choice of seeds
 (the seeds are fixed, so a run is deterministic). The same test must reject two deliberately
 biased samplers, which shows it has the power to see the mistakes an implementation makes.
+
+Those model-level runs take minutes (slow). The fast suite tests one tree step from crafted
+logits the same way (the first two emitted tokens against the verifier's law, 6,000 draws in a
+second, with the same two biased samplers as controls), and the decoder's residual through
+tests/test_decode_oracle.py (a rejected draft is never the next token).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from entmtp_ray.policy import FixedTree
 
 VOCAB, TOKENS, TEMPERATURE = 8, 3, 0.7
 SAMPLES = 3000
+SAMPLES_ONE_STEP = 6000  # draws of one tree step from crafted logits (no model): fast, same power
 ALPHA = 1e-3
 PROMPT = [1, 5, 2, 7, 3]
 # 3 children at the root, 2 below the first, a depth-3 chain: every acceptance case occurs
@@ -93,6 +99,7 @@ def reference(tiny, tmp_path_factory):
     return exact_distribution(loaded.model), str(tree)
 
 
+@pytest.mark.slow
 def test_the_reference_is_what_ar_sampling_draws(tiny, reference):
     loaded, drafter = tiny
     probs, _ = reference
@@ -100,6 +107,7 @@ def test_the_reference_is_what_ar_sampling_draws(tiny, reference):
     assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("ar", "ar"), "exact"), probs) > ALPHA
 
 
+@pytest.mark.slow
 def test_exact_acceptance_samples_the_base_distribution(tiny, reference):
     loaded, drafter = tiny
     probs, tree = reference
@@ -135,6 +143,80 @@ def _no_renormalising(tokens, logits, row_of_node, children, temperature, genera
     return path, []
 
 
+def first_two_tokens_counts(accept, node_logits, tokens, samples: int, seed: int = 0) -> dict[tuple, int]:
+    """Counts of the first two tokens one tree step emits (the accepted drafts, then the token from
+    the last node's residual), over `samples` seeded draws of `accept` (exact_accept's signature)."""
+    from entmtp_ray.acceptance import next_token
+    from entmtp_ray.tree import build_buffers, make_topology
+
+    buffers = build_buffers(make_topology(TREE))
+    scored = node_logits[buffers.scored_nodes]  # [scored, V]
+    gen = torch.Generator().manual_seed(seed)
+    counts: dict[tuple, int] = {}
+    for _ in range(samples):
+        path, rejected = accept(tokens, scored, buffers.row_of_node, buffers.children, TEMPERATURE, gen)
+        last = node_logits[path[-1]]
+        if rejected:
+            last = last.index_fill(0, torch.tensor(rejected), float("-inf"))
+        emitted = tuple(tokens[c] for c in path[1:]) + (next_token(last, TEMPERATURE, gen),)
+        counts[emitted[:2]] = counts.get(emitted[:2], 0) + 1
+    return counts
+
+
+def first_two_tokens_law(node_logits, tokens) -> dict[tuple, float]:
+    """What sampling from the verifier gives: x1 ~ p_root; after a drafted x1 (child c), x2 ~ p_c;
+    after an undrafted x1 the step ends."""
+    from entmtp_ray.tree import build_buffers, make_topology
+
+    buffers = build_buffers(make_topology(TREE))
+    p = torch.softmax(node_logits.double() / TEMPERATURE, -1)  # [n, V]
+    child_of = {tokens[c]: c for c in buffers.children[0]}
+    law = {}
+    for x1 in range(VOCAB):
+        if x1 in child_of:
+            for x2 in range(VOCAB):
+                law[(x1, x2)] = float(p[0, x1] * p[child_of[x1], x2])
+        else:
+            law[(x1,)] = float(p[0, x1])
+    return law
+
+
+@pytest.fixture(scope="module")
+def crafted_step():
+    """Verifier logits for every node of TREE ([8, VOCAB]) and drafts as good heads make them: each
+    parent's children are its likeliest tokens, best first, so rejections remove real mass."""
+    from entmtp_ray.tree import build_buffers, make_topology
+
+    gen = torch.Generator().manual_seed(3)
+    node_logits = 1.5 * torch.randn(8, VOCAB, generator=gen)
+    tokens = [0] * 8
+    for parent, kids in enumerate(build_buffers(make_topology(TREE)).children):
+        for kid, token in zip(kids, node_logits[parent].argsort(descending=True).tolist()):
+            tokens[kid] = token
+    return node_logits, tokens
+
+
+def test_one_exact_step_emits_tokens_as_sampling_the_verifier_would(crafted_step):
+    node_logits, tokens = crafted_step
+    law = first_two_tokens_law(node_logits, tokens)
+    counts = first_two_tokens_counts(acceptance.exact_accept, node_logits, tokens, SAMPLES_ONE_STEP)
+    assert set(counts) <= set(law)
+    cells = sorted(law)
+    observed = torch.tensor([float(counts.get(c, 0)) for c in cells], dtype=torch.double)
+    assert chi_square_p_value(observed, torch.tensor([law[c] for c in cells], dtype=torch.double)) > ALPHA
+
+
+@pytest.mark.parametrize("biased", [_resample_from_p, _no_renormalising])
+def test_the_one_step_test_rejects_a_biased_sampler(crafted_step, biased):
+    node_logits, tokens = crafted_step
+    law = first_two_tokens_law(node_logits, tokens)
+    counts = first_two_tokens_counts(biased, node_logits, tokens, SAMPLES_ONE_STEP)
+    cells = sorted(law)
+    observed = torch.tensor([float(counts.get(c, 0)) for c in cells], dtype=torch.double)
+    assert chi_square_p_value(observed, torch.tensor([law[c] for c in cells], dtype=torch.double)) < ALPHA
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("biased", [_resample_from_p, _no_renormalising])
 def test_the_test_rejects_a_biased_sampler(tiny, reference, monkeypatch, biased):
     loaded, drafter = tiny
