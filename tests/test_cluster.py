@@ -3,7 +3,8 @@ GPU nodes appear for the actor pool and go away when idle (Ray's fake multinode 
 
 The fake provider starts each "node" as a local raylet from the head's autoscaler, so the nodes
 share this virtualenv. `ray up` with that provider does not work from the wheel; a head started as
-`RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...` does.
+`RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...` does. The head has its own
+--temp-dir (tests/raytools.py), and only its processes, fake nodes included, are stopped after.
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ import copy
 import json
 import logging
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,8 +24,9 @@ import pyarrow.dataset as pads
 import pytest
 import yaml
 
+import raytools  # tests/raytools.py (pytest puts tests/, which has no __init__.py, on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 JOB = [sys.executable, str(ROOT / "jobs" / "generate.py")]
 A100_INSTANCE_TYPES = {"p4d.24xlarge", "p4de.24xlarge"}
 
@@ -84,12 +83,6 @@ def test_broken_cluster_yaml_is_rejected(break_config, error):
         validated(config)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fake_autoscaling_config(gcs_address: str) -> dict:
     """A head with 2 CPUs and no GPU; GPU nodes (2 CPUs, 1 GPU) only through the autoscaler.
     The wheel lacks the provider's example.yaml, so every field the autoscaler reads is spelled out."""
@@ -115,34 +108,25 @@ def fake_autoscaling_config(gcs_address: str) -> dict:
 
 @pytest.fixture
 def fake_cluster(tmp_path):
-    """(address, env) of a local autoscaling head; every Ray process on the machine is stopped after."""
+    """(address, env) of a local autoscaling head; exactly its processes are stopped after."""
     import ray
     from ray._private.services import get_node_ip_address
 
-    port = free_port()
+    port = raytools.free_port()
     address = f"{get_node_ip_address()}:{port}"
     config = tmp_path / "fake_cluster.yaml"
     config.write_text(yaml.safe_dump(fake_autoscaling_config(address)))
-    temp_dir = tempfile.mkdtemp(prefix="rfc-", dir="/tmp")  # Ray's socket paths must stay short
     # RAY_AUTH_MODE: a ~/.ray/auth_token left by any local ray.init() makes `ray start` require
     # tokens, while a client given an explicit --address sends none; say it once for every process.
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_FAKE_CLUSTER": "1",
-           "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    try:
-        start = subprocess.run(
-            [str(BIN / "ray"), "start", "--head", f"--autoscaling-config={config}", f"--port={port}",
-             f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-             f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}", "--num-cpus=2",
-             "--num-gpus=0", "--disable-usage-stats"],
-            capture_output=True, text=True, env=env, timeout=120)
-        assert start.returncode == 0, start.stderr[-3000:]
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-        yield address, env
-    finally:
-        ray.shutdown()
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, env=env, timeout=120)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "disabled"}
+    with raytools.ray_head(f"--autoscaling-config={config}", "--num-cpus=2", "--num-gpus=0",
+                           port=port, env=env, prefix="rfc-") as head:
+        assert head.address == address
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+            yield address, head.env
+        finally:
+            ray.shutdown()
 
 
 def gpu_nodes() -> int:
@@ -157,6 +141,7 @@ def write_prompts(path: Path, n: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_gpu_nodes_scale_up_for_the_job_and_down_when_idle(fake_cluster, tiny_model_dirs, tmp_path):
     address, env = fake_cluster
     model_dir, heads_dir = tiny_model_dirs
