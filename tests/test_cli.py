@@ -45,6 +45,7 @@ def test_bad_rows_become_error_rows_and_good_rows_still_run(tmp_path):
     assert all(rows[k]["output_text"] is None for k in ("empty", "long", "number", "line-5"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--policy", "nope"], "unknown policy 'nope'; choose one of"),
     (["--policy", "fixed", "--tree", "no-such-tree"], "unknown tree 'no-such-tree'"),
@@ -57,6 +58,7 @@ def test_broken_config_fails_before_loading(args, message):
     assert message in proc.stderr
 
 
+@pytest.mark.slow
 def test_malformed_tree_file_fails_at_start(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[[0], [0, 0], [2]]")  # rank 2 at the root without rank 1

@@ -34,6 +34,7 @@ def test_eval_heads_report_pools_steps_per_task_and_temperature(tiny_model_dirs)
     assert "humaneval" in format_report(report)
 
 
+@pytest.mark.slow
 def test_eval_heads_cli_refuses_unknown_task():
     done = subprocess.run([sys.executable, "-m", "entmtp_ray", "eval-heads", "--tasks", "mmlu"],
                           capture_output=True, text=True, timeout=120)
