@@ -38,7 +38,8 @@ def _baseline_result(loaded: LoadedModel, ids: list[int], tokens: list[int], sec
     steps are known only for one-token decoders."""
     finish = "stop" if tokens and tokens[-1] in loaded.eos_token_ids else "length"
     steps = [StepTrace("ar", 1, 1, [], [])] * max(0, len(tokens) - 1) if one_token_steps else []
-    return GenerationResult(list(ids), tokens, loaded.decode(tokens), finish, 0.0, seconds, steps)
+    return GenerationResult(list(ids), tokens, loaded.decode(tokens), finish, prefill_s=0.0, decode_s=seconds,
+                            schedule_s=0.0, steps=steps)
 
 
 class HFGenerate:

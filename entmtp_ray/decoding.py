@@ -42,8 +42,8 @@ class GenerationResult:
     finish_reason: str  # stop (EOS) | length (max new tokens) | context (context window full)
     prefill_s: float  # prompt forward + first token
     decode_s: float  # every draft-verify step after it
+    schedule_s: float  # inside decode_s: the policy's choose/observe and the signal's verifier stats
     steps: list[StepTrace] = field(default_factory=list)
-    schedule_s: float = 0.0  # inside decode_s: the policy's choose/observe and the signal's verifier stats
 
     @property
     def num_output_tokens(self) -> int:
@@ -62,9 +62,8 @@ class GenerationResult:
         """tau: tokens per draft-verify step, bonus included (the prefill's first token is no step)."""
         return sum(s.accepted_length for s in self.steps) / len(self.steps) if self.steps else 0.0
 
-    def accepted_per_position(self, depth: int | None = None) -> list[float]:
+    def accepted_per_position(self, depth: int) -> list[float]:
         """Fraction of steps whose draft token at depth i (1-based) was accepted, for i = 1..depth."""
-        depth = depth if depth is not None else max((s.accepted_length - 1 for s in self.steps), default=0)
         if not self.steps:
             return [0.0] * depth
         return [sum(s.accepted_length > i for s in self.steps) / len(self.steps) for i in range(1, depth + 1)]
@@ -211,10 +210,11 @@ class SpecDecoder:
         self.policy = policy
         self.buffers: dict[str, TreeBuffers] = {}
         for spec in policy.trees():
-            topology = load_topology(spec, max_depth=self.drafter.max_depth)
+            topology = load_topology(spec)
             if topology.depth > 0 and isinstance(self.drafter, NoDrafter):
-                raise ValueError(f"policy '{policy.name}' drafts with tree '{spec}' but no heads were loaded; "
-                                 "pass --heads DIR")
+                raise ValueError(f"policy '{policy.name}' drafts with tree '{topology.name}' but no heads were "
+                                 "loaded; pass --heads DIR")
+            topology = load_topology(topology, max_depth=self.drafter.max_depth)  # no deeper than the heads
             self.buffers[spec] = build_buffers(topology, loaded.device)
         self.ar = build_buffers(chain_topology(0), loaded.device)
         self.max_nodes = max(b.num_nodes for b in self.buffers.values())
@@ -222,9 +222,8 @@ class SpecDecoder:
 
     def _cache_for(self, capacity: int) -> KVCache:
         if self.cache is None or self.cache.capacity < capacity:
-            cfg = self.loaded.model.config
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, capacity,
+            cfg = self.loaded.model.config  # transformers fills head_dim (hidden / heads) when a config omits it
+            self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity,
                                  self.loaded.dtype, self.loaded.device)
         self.cache.reset()
         return self.cache

@@ -68,7 +68,7 @@ class Signal:
 
     stat = "entropy"  # the StepView field its observations come from: "entropy" or "top1"
 
-    def __init__(self, beta: float = 0.9, initial: float = 0.0):
+    def __init__(self, beta: float, initial: float):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"signal beta must be in [0, 1), got {beta}")
         self.beta, self.initial = beta, initial

@@ -305,3 +305,46 @@ def test_argmax_rows_picks_the_first_of_tied_maxima_as_argmax(dtype):
     assert torch.equal(got, logits.argmax(-1))
     assert int(got[0]) == 7
     assert all(int(argmax_rows(row)) == int(row.argmax()) for row in logits[:8])
+
+
+def test_the_tie_rule_takes_any_leading_shape_and_its_bound_is_inclusive():
+    from entmtp_ray.acceptance import greedy_up_to_tie
+
+    logits = torch.tensor([[[0.0, -1e-4, -2e-4], [3.0, 1.0, 2.0]], [[1.0, 5.0, 0.0], [0.0, 0.0, 9.0]]])  # [2, 2, 3]
+    tokens = torch.tensor([[1, 2], [1, 0]])  # [2, 2]
+    # 1e-4 below the best is a tie (the fp32 floor, inclusive); 2e-4 or a whole unit is not
+    assert greedy_up_to_tie(logits, tokens, torch.float32).tolist() == [[True, False], [True, False]]
+    assert greedy_up_to_tie(logits, torch.tensor([[2, 0], [0, 2]]), torch.float32).tolist() == [[False, True],
+                                                                                                   [False, True]]
+    assert greedy_up_to_tie(logits[0, 0], torch.tensor(1), torch.float32).item() is True  # one row: [V] and []
+
+
+def test_typical_needs_the_probability_strictly_above_the_threshold():
+    """A draft whose probability equals the threshold exactly is rejected (`p > threshold`)."""
+    b = build_buffers(make_topology([[0]]))
+    tokens = T([0, 1])
+    logits = logits_from_probs([_row({1: 0.2, 5: 0.7})], 0.7)
+    p = float(torch.log_softmax(logits.float() / 0.7, -1).exp()[0, 1])  # as typical_accept computes it
+    assert typical(tokens, logits, b, 0.7, epsilon=p, alpha=10.0) == [0]  # epsilon binds: alpha exp(-H) > 1
+    assert typical(tokens, logits, b, 0.7, epsilon=p * (1 - 1e-6), alpha=10.0) == [0, 1]
+
+
+def test_exact_rejects_zero_temperature(tree_a):
+    from entmtp_ray.acceptance import exact_accept
+
+    with pytest.raises(AssertionError):
+        exact_accept(TOKENS_A.tolist(), peaked(1, 3), tree_a.row_of_node, tree_a.children, 0.0, None)
+
+
+def test_exact_skips_a_repeated_sibling_draft():
+    """Hydra's siblings are distinct tokens, but a drafter may repeat one: once rejected, a token has
+    no residual mass left, so its repeat must not get a second chance (P(x) stays p(x) = 0.5)."""
+    from entmtp_ray.acceptance import exact_accept
+
+    b = build_buffers(make_topology([[0], [1], [2]]))
+    logits = logits_from_probs([_row({3: 0.5, 4: 0.3})], 0.7)
+    gen = torch.Generator().manual_seed(0)
+    firsts = [tuple(exact_accept([0, 3, 3, 4], logits, b.row_of_node, b.children, 0.7, gen)[0]) for _ in range(4000)]
+    counts = {path: firsts.count(path) / len(firsts) for path in set(firsts)}
+    assert set(counts) <= {(0, 1), (0, 3), (0,)}, counts  # the repeat (node 2) is never accepted
+    assert counts[(0, 1)] == pytest.approx(0.5, abs=0.03) and counts[(0, 3)] == pytest.approx(0.3, abs=0.03)

@@ -23,9 +23,14 @@ from oracle import OracleDrafter
 PROMPT = [3, 14, 15, 92, 65, 35]
 MAX_NEW = 48
 # 3 children at the root, 2 below the first, chains below: the rank-0 path's nodes are 0, 1, 4, 7, 9
-BRANCHY = make_topology([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]], "branchy")
-CHAIN4 = chain_topology(4)
-CHAIN1 = chain_topology(1)
+BRANCHY_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
+
+
+def tree_of(name: str):
+    """The test trees, built when a test runs (a broken tree module fails tests, not their import)."""
+    if name == "branchy":
+        return make_topology(BRANCHY_PATHS, "branchy")
+    return chain_topology(int(name[5:])) if name.startswith("chain") else name
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +88,13 @@ def rotating(call: int, depth: int) -> int | None:
 
 
 @pytest.mark.parametrize("tree, plan, min_tau, longest", [
-    (CHAIN4, None, 4.5, 5),  # every step accepts the whole chain: contiguous rows
-    (BRANCHY, None, 4.5, 5),  # the rank-0 path runs over nodes 0, 1, 4, 7, 9: kept rows are not contiguous
-    (BRANCHY, rotating, 1.5, 5),  # later siblings and a depth-3 miss: paths end early and through ranks 1 and 2
+    ("chain4", None, 4.5, 5),  # every step accepts the whole chain: contiguous rows
+    ("branchy", None, 4.5, 5),  # the rank-0 path runs over nodes 0, 1, 4, 7, 9: kept rows are not contiguous
+    ("branchy", rotating, 1.5, 5),  # later siblings and a depth-3 miss: paths end early and through ranks 1 and 2
     ("hydra", rotating, 2.0, 4),  # Hydra's tree has ranks 0-1 only at depth 4
 ])
 def test_accepted_oracle_paths_give_exactly_the_ar_tokens(loaded, reference, tree, plan, min_tau, longest):
-    decoder, result = decode(loaded, reference, FixedTree("fixed", tree), plan)
+    decoder, result = decode(loaded, reference, FixedTree("fixed", tree_of(tree)), plan)
     assert result.output_token_ids == reference and result.finish_reason == "length"
     assert sum(result.step_accepted_lengths()) == MAX_NEW - 1  # the prefill's token is no step's
     assert result.mean_accepted_length >= min_tau
@@ -104,7 +109,7 @@ def test_eos_inside_an_accepted_run_stops_there(loaded, reference):
     # chain4 accepts 5 tokens a step after the prefill's one: step j emits output[5j-4 .. 5j]
     k = next(i for i in range(6, MAX_NEW) if reference[i] not in reference[:i] and i % 5 in (2, 3, 4))
     eos_model = dataclasses.replace(loaded, eos_token_ids=frozenset({reference[k]}))
-    decoder, result = decode(eos_model, reference, FixedTree("fixed", CHAIN4))
+    decoder, result = decode(eos_model, reference, FixedTree("fixed", tree_of("chain4")))
     assert result.finish_reason == "stop"
     assert result.output_token_ids == reference[: k + 1]
     assert result.step_accepted_lengths()[-1] == k % 5  # EOS is a drafted token, not the step's last
@@ -113,19 +118,70 @@ def test_eos_inside_an_accepted_run_stops_there(loaded, reference):
 
 
 def test_token_limit_inside_an_accepted_run_cuts_the_run(loaded, reference):
-    decoder, result = decode(loaded, reference, FixedTree("fixed", CHAIN4), max_new_tokens=13)
+    decoder, result = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), max_new_tokens=13)
     assert result.finish_reason == "length" and result.output_token_ids == reference[:13]
     assert result.step_accepted_lengths() == [5, 5, 2]
 
 
-def test_near_the_context_end_steps_fall_back_to_one_node_then_stop(loaded, reference, monkeypatch):
-    monkeypatch.setattr(loaded.model.config, "max_position_embeddings", len(PROMPT) + 22)
-    decoder, result = decode(loaded, reference, FixedTree("fixed", CHAIN4))
+@pytest.mark.parametrize("room, trees", [
+    (22, ["chain4"] * 4 + ["ar"] * 2),  # 20 committed by 4 chains, the last 2 one by one
+    (20, ["chain4"] * 4),  # the 4th chain fills the context exactly: no fallback step needed
+])
+def test_near_the_context_end_steps_fall_back_to_one_node_then_stop(loaded, reference, monkeypatch, room, trees):
+    monkeypatch.setattr(loaded.model.config, "max_position_embeddings", len(PROMPT) + room)
+    decoder, result = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")))
     assert result.finish_reason == "context"
-    assert result.output_token_ids == reference[:23]  # 22 committed tokens and the token after them
-    trees = [s.tree for s in result.steps]
-    assert trees == ["chain4"] * 4 + ["ar"] * 2, trees  # 20 committed by 4 chains, the last 2 one by one
-    assert decoder.cache.length == len(PROMPT) + 22
+    assert result.output_token_ids == reference[: room + 1]  # the committed tokens and the token after them
+    assert [s.tree for s in result.steps] == trees
+    assert decoder.cache.length == len(PROMPT) + room
+
+
+def test_a_prompt_that_fills_the_context_is_refused(loaded, reference, monkeypatch):
+    monkeypatch.setattr(loaded.model.config, "max_position_embeddings", len(PROMPT))
+    with pytest.raises(ValueError, match=f"prompt of {len(PROMPT)} tokens leaves no room"):
+        decode(loaded, reference, FixedTree("fixed", tree_of("chain4")))
+    monkeypatch.setattr(loaded.model.config, "max_position_embeddings", len(PROMPT) + 1)
+    _, result = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")))
+    assert result.output_token_ids == reference[:2] and result.finish_reason == "context"
+
+
+@pytest.mark.parametrize("acceptance", ["exact", "typical"])
+def test_sampling_rules_at_temperature_zero_decode_greedily(loaded, reference, acceptance):
+    """--acceptance exact or typical with --temperature 0 means greedy: the decoder routes them to
+    greedy acceptance (both rules need T > 0 to define their distributions)."""
+    _, result = decode(loaded, reference, FixedTree("fixed", tree_of("branchy")), rotating, acceptance=acceptance)
+    assert result.output_token_ids == reference
+
+
+def test_time_is_split_into_prefill_decode_and_scheduling(loaded, reference, monkeypatch):
+    """On a clock that ticks once per reading: the prefill is one tick, each step reads the clock
+    four times (two for choosing the tree, two around the policy's bookkeeping, both scheduling)."""
+    from itertools import count
+    from types import SimpleNamespace
+
+    from entmtp_ray import decoding
+
+    ticks = count()
+    monkeypatch.setattr(decoding, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    _, result = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), max_new_tokens=16)
+    steps = len(result.steps)
+    assert steps == 3
+    assert (result.prefill_s, result.schedule_s, result.decode_s) == (1.0, 2.0 * steps, 4.0 * steps + 1)
+
+
+def test_a_bank_policy_with_one_tree_traces_its_own_signal(loaded, reference, forced_logits):
+    """A bank whose sweep chose one tree for every regime reads no signal while decoding; with
+    --trace-signal the decoder updates the policy's own signal (its beta and initial value)."""
+    one = LadderPolicy("entmtp-ladder", [tree_of("branchy")], [], make_signal("entropy", 0.5, 1.25))
+    assert one.signal_stat is None
+    _, result = decode(loaded, reference, one, rotating, trace_signal=True)
+    want = ema_before_each_step(entropy_of(forced_logits), result.step_accepted_lengths(), 0.5, 1.25)
+    assert result.step_signals() == pytest.approx(want, abs=1e-4)
+
+
+def test_a_tree_that_drafts_needs_a_drafter(loaded):
+    with pytest.raises(ValueError, match="drafts with tree 'chain1' but no heads were loaded; pass --heads"):
+        SpecDecoder(loaded, None, FixedTree("fixed", tree_of("chain1")))
 
 
 @pytest.mark.parametrize("temperature", [1e-4, 1e-3])
@@ -133,7 +189,7 @@ def test_near_the_context_end_steps_fall_back_to_one_node_then_stop(loaded, refe
 def test_sampling_rules_at_a_tiny_temperature_give_the_greedy_tokens(loaded, reference, acceptance, temperature):
     """Near T=0 the verifier's distribution is one-hot: exact and typical acceptance must accept the
     oracle's true token at any rank and reject the rest, and the token after the path is the argmax."""
-    decoder, result = decode(loaded, reference, FixedTree("fixed", BRANCHY), rotating, temperature=temperature,
+    decoder, result = decode(loaded, reference, FixedTree("fixed", tree_of("branchy")), rotating, temperature=temperature,
                              acceptance=acceptance)
     assert result.output_token_ids == reference
     assert result.mean_accepted_length >= 1.5
@@ -147,7 +203,7 @@ def test_exact_sampling_never_emits_a_draft_it_rejected(loaded, reference):
     rejections = 0
     for seed in range(6):
         drafter = OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size)
-        decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", CHAIN4))
+        decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", tree_of("chain4")))
         cfg = DecodingConfig(policy="fixed", temperature=0.7, acceptance="exact", max_new_tokens=MAX_NEW)
         result = decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed))
         emitted = 1
@@ -168,7 +224,7 @@ def test_exact_sampling_never_emits_a_draft_it_rejected(loaded, reference):
     (100.0, 1e-30, True),  # alpha scales it near 0
 ])
 def test_typical_epsilon_and_alpha_reach_the_rule(loaded, reference, epsilon, alpha, accepts):
-    _, result = decode(loaded, reference, FixedTree("fixed", BRANCHY), temperature=0.7, acceptance="typical",
+    _, result = decode(loaded, reference, FixedTree("fixed", tree_of("branchy")), temperature=0.7, acceptance="typical",
                        typical_epsilon=epsilon, typical_alpha=alpha)
     assert (result.mean_accepted_length > 2.0) is accepts, result.step_accepted_lengths()
     if not accepts:
@@ -196,12 +252,15 @@ def test_a_switching_policy_switches_on_the_entropy_it_should_and_keeps_the_ar_t
     entropy = entropy_of(forced_logits)
     q = sorted(entropy)
     on, off, initial = q[len(q) // 3], q[2 * len(q) // 3], q[len(q) // 2]
-    policy = HysteresisPolicy("entmtp-tau", CHAIN1, BRANCHY, on, off, make_signal("entropy", 0.5, initial))
+    policy = HysteresisPolicy("entmtp-tau", tree_of("chain1"), tree_of("branchy"), on, off, make_signal("entropy", 0.5, initial))
     decoder, result = decode(loaded, reference, policy, rotating)
     assert result.output_token_ids == reference
-    assert result.tree_switches() >= 2 and set(result.tree_usage()) == {"chain1", "branchy"}
+    trees = [step.tree for step in result.steps]
+    assert result.tree_switches() == sum(a != b for a, b in zip(trees, trees[1:])) >= 2
+    assert result.tree_usage() == {t: trees.count(t) for t in ("chain1", "branchy")}
     lengths = result.step_accepted_lengths()
     assert max(lengths) >= 3, "multi-token steps must feed the signal"
+    assert 0 < result.schedule_s < result.decode_s
     signals = result.step_signals()
     assert signals == pytest.approx(ema_before_each_step(entropy, lengths, 0.5, initial), abs=1e-4)
     # and each step's tree is the one hysteresis picks from the signal before it (conservative first)
@@ -225,7 +284,7 @@ def test_a_ladder_on_top1_signals_reads_the_verifier_at_every_accepted_token(loa
     span = 1 if signal == "top1" else 3
     values = sorted(1 - float(torch.tensor(top1[i: i + span]).prod()) for i in range(len(top1) - span))
     mid = values[len(values) // 2]
-    ladder = LadderPolicy("entmtp-ladder", [BRANCHY, CHAIN4, CHAIN1], [values[len(values) // 4], mid],
+    ladder = LadderPolicy("entmtp-ladder", [tree_of("branchy"), tree_of("chain4"), tree_of("chain1")], [values[len(values) // 4], mid],
                           make_signal(signal, 0.5, mid))
     _, result = decode(loaded, reference, ladder, rotating)
     assert result.output_token_ids == reference
@@ -246,9 +305,37 @@ def test_a_ladder_on_top1_signals_reads_the_verifier_at_every_accepted_token(loa
 
 
 def test_trace_signal_records_the_entropy_a_fixed_tree_would_switch_on(loaded, reference, forced_logits):
-    _, result = decode(loaded, reference, FixedTree("fixed", BRANCHY), rotating, trace_signal=True)
+    _, result = decode(loaded, reference, FixedTree("fixed", tree_of("branchy")), rotating, trace_signal=True)
     assert result.output_token_ids == reference
     want = ema_before_each_step(entropy_of(forced_logits), result.step_accepted_lengths(), 0.9, 0.0)
     assert result.step_signals() == pytest.approx(want, abs=1e-4)
-    _, plain = decode(loaded, reference, FixedTree("fixed", BRANCHY), rotating)
+    _, plain = decode(loaded, reference, FixedTree("fixed", tree_of("branchy")), rotating)
     assert plain.step_signals() is None and all(s.entropy == [] and s.top1_prob == [] for s in plain.steps)
+
+
+def test_row_generators_are_pinned_so_a_relabel_reproduces_across_releases():
+    """A row's sampling stream depends only on the run seed and the row id, by a fixed formula: the
+    same --seed on the same ids draws the same samples in any later release (change it only on purpose)."""
+    from entmtp_ray.decoding import row_generator
+
+    assert row_generator(123, "q1", "cpu").initial_seed() == 762851491
+    assert row_generator(0, "HumanEval/0", "cpu").initial_seed() == 2719863463
+    assert row_generator(123, "q2", "cpu").initial_seed() != row_generator(123, "q1", "cpu").initial_seed()
+
+
+def test_result_figures_of_short_and_empty_generations():
+    from entmtp_ray.decoding import GenerationResult, StepTrace
+
+    one = GenerationResult([1], [5, 6], "", "length", prefill_s=0.5, decode_s=0.5, schedule_s=0.0,
+                           steps=[StepTrace("t", 3, 1, [], [], signal=0.25)])
+    assert one.step_signals() == [0.25] and one.tree_switches() == 0 and one.tokens_per_s == 2.0
+    assert one.accepted_per_position(2) == [0.0, 0.0]
+    empty = GenerationResult([1], [2], "", "stop", prefill_s=0.0, decode_s=0.0, schedule_s=0.0)
+    assert empty.tokens_per_s == 0.0 and empty.mean_accepted_length == 0.0 and empty.step_signals() is None
+    assert empty.accepted_per_position(3) == [0.0, 0.0, 0.0] and empty.tree_usage() == {}
+    trees = ["a", "a", "b", "b", "a", "c"]
+    steps = [StepTrace(t, 1, n, [], []) for t, n in zip(trees, [1, 2, 3, 1, 5, 2])]
+    many = GenerationResult([1], [0] * 15, "", "length", prefill_s=1.0, decode_s=2.0, schedule_s=0.1, steps=steps)
+    assert many.tree_switches() == 3 and many.tree_usage() == {"a": 3, "b": 2, "c": 1}
+    assert many.mean_accepted_length == 14 / 6 and many.accepted_per_position(4) == [4 / 6, 2 / 6, 1 / 6, 1 / 6]
+    assert many.step_signals() is None and many.step_accepted_lengths() == [1, 2, 3, 1, 5, 2]

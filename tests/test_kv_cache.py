@@ -198,3 +198,15 @@ def test_tree_verify_of_a_three_depth_tree_keeps_deepest_path(tiny_llama):
     torch.testing.assert_close(cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden[accepted], fresh_hidden[5:], atol=1e-5, rtol=1e-5)
+
+
+def test_keep_of_a_later_sibling_moves_its_row_even_when_the_count_matches():
+    """[0, 2]: the root and the second child at depth 1; ends on index 2 with 2 entries kept, which
+    a contiguity check must not mistake for rows already in place."""
+    cache = KVCache(1, 1, 2, 8, torch.float32, "cpu")
+    k = torch.arange(6, dtype=torch.float32).reshape(1, 3, 2)  # [kv_heads, n, head_dim]: rows 0, 1, 2
+    cache.write(0, k, -k)
+    cache.keep(torch.tensor([0, 2]))
+    assert cache.length == 2
+    assert cache.k[0, 0, :2].tolist() == [[0.0, 1.0], [4.0, 5.0]] and cache.v[0, 0, :2].tolist() == [[0.0, -1.0],
+                                                                                                      [-4.0, -5.0]]

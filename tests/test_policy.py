@@ -82,3 +82,18 @@ def test_a_policy_reads_only_its_signals_statistic_and_none_when_it_cannot_switc
         assert policy.signal_stat is None
         policy.observe(Step(entropy=()))  # what the decoder passes when no statistic is read
         assert policy.signal.value == 1.5 and policy.choose() == "a"
+
+
+def test_settings_at_their_bounds():
+    """beta in [0, 1): 0 follows the last observation, 1 would never move; tau_on must be strictly
+    below tau_off; a ladder needs one threshold fewer than trees, ascending."""
+    assert make_signal("entropy", beta=0.0).beta == 0.0
+    for beta in (1.0, -0.1):
+        with pytest.raises(ValueError, match=r"beta must be in \[0, 1\)"):
+            make_signal("entropy", beta=beta)
+    with pytest.raises(ValueError, match="tau_on < tau_off"):
+        HysteresisPolicy("x", "a", "b", 1.0, 1.0, make_signal("entropy"))
+    for trees, thresholds in [(["a", "b"], [1.0, 2.0]), (["a", "b", "c"], [1.0]), (["a", "b", "c"], [2.0, 1.0])]:
+        with pytest.raises(ValueError, match="K trees and K-1 ascending thresholds"):
+            LadderPolicy("x", trees, thresholds, make_signal("entropy"))
+    assert LadderPolicy("x", ["a", "b", "c"], [1.0, 1.0], make_signal("entropy")).thresholds == [1.0, 1.0]

@@ -153,3 +153,14 @@ def test_summary_figures_from_what_was_written(tmp_path):
     json.dumps(summary)  # the last stdout line is this object
     empty = summarize(str(tmp_path / "none"), started=0.0, input_rows=0)
     assert (empty["rows"], empty["output_tokens"], empty["mean_accepted_length"]) == (0, 0, None)
+
+
+def test_an_ar_row_drafts_nothing_so_reports_no_positions_and_no_heads(tiny_model_dirs):
+    from entmtp_ray.engine import Engine
+
+    model_dir, heads_dir = tiny_model_dirs
+    engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
+                    DecodingConfig(policy="ar", max_new_tokens=4))
+    row = engine.run("r", PROMPT)
+    assert row["accepted_per_position"] == [] and row["heads"] is None and row["mean_accepted_length"] == 1.0
+    assert dict(row["tree_usage"]) == {"ar": 3} and row["verified_nodes"] == 3 and row["tree_switches"] == 0

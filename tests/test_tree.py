@@ -164,6 +164,9 @@ def test_load_unknown_name_lists_choices(tmp_path):
         load_topology("nope")
     with pytest.raises(ValueError, match="unknown tree"):
         load_topology(str(tmp_path / "missing.json"))
+    for name in ("chainx", "chain", "chain-2"):  # chainN takes a whole number of tokens
+        with pytest.raises(ValueError, match=f"unknown tree '{name}'"):
+            load_topology(name)
 
 
 # --- buffers, hand-written --------------------------------------------------------------------

@@ -342,7 +342,9 @@ def run(root, modules=DEFAULT_MODULES, test_args=None, jobs=1, out_dir="runs/mut
                         record(m, tests, started, "killed", f"crashed (signal {os.WTERMSIG(status)})")
                     else:
                         code = os.WEXITSTATUS(status)
-                        verdict = {0: "survived", 1: "killed"}.get(code, "error")
+                        # 2: a selected test module failed to import the mutant (collection error),
+                        # which a real run reports as a failure too; 3-5 are the tool's own trouble
+                        verdict = {0: "survived", 1: "killed", 2: "killed"}.get(code, "error")
                         record(m, tests, started, verdict, f"pytest exit {code}")
                 time.sleep(0.02)
         finally:
