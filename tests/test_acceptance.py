@@ -103,6 +103,15 @@ def test_greedy_ar_tree():
     assert out.tolist() == [0]
 
 
+def test_a_star_tree_has_one_scored_node_and_accepts_below_it():
+    """Only the root has children: one row of logits decides, and a match is accepted (a one-row
+    input is no one-node tree)."""
+    b = build_buffers(make_topology([[0], [1], [2]]))
+    tokens = T([9, 4, 6, 2])
+    assert greedy(tokens, peaked(6), b) == [0, 2] and greedy(tokens, peaked(5), b) == [0]
+    assert typical(tokens, peaked(2), b) == [0, 3] and typical(tokens, peaked(5), b) == [0]
+
+
 def test_greedy_ignores_pad_columns(tree_b):
     # A pad (-1) gathers node 0's token; row 0's leaf (2) is at depth 1 only. If the root row's argmax
     # is the root's own token, nothing may be accepted past the real path.
