@@ -54,8 +54,6 @@ def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch
     Returns accepted node indices [a], root first. Siblings are distinct tokens, so the accepted
     chain is unique and equals what plain greedy decoding would produce.
     """
-    if logits.shape[0] == 0:  # no node has children (the one-node tree): the root alone
-        return retrieve[0, :1]
     valid, parent_rows, child_tokens = _path_parts(tokens, row_of_node, retrieve)
     match = valid & (child_tokens == argmax_rows(logits)[parent_rows])
     lengths = match.long().cumprod(1).sum(1)  # [paths]
@@ -72,8 +70,6 @@ def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torc
     Not distribution-preserving (see DESIGN.md section 2). At temperature 0 use greedy_accept.
     """
     assert temperature > 0
-    if logits.shape[0] == 0:  # no node has children (the one-node tree): the root alone
-        return retrieve[0, :1]
     valid, parent_rows, child_tokens = _path_parts(tokens, row_of_node, retrieve)
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [scored, V]
     probs = log_probs.exp()

@@ -248,6 +248,8 @@ class SpecDecoder:
                 generator) -> tuple[torch.Tensor, list[int]]:
         """The accepted nodes ([a], root first) and the tokens the next token must not be (exact
         acceptance's rejected children of the last node; [] otherwise)."""
+        if not buffers.children[0]:  # the one-node tree drafted nothing: the root alone, no rule to run
+            return buffers.retrieve_indices[0], []
         if cfg.temperature > 0 and cfg.acceptance == "exact":
             path, rejected = exact_accept(tokens.tolist(), scored_logits, buffers.row_of_node, buffers.children,
                                           cfg.temperature, generator)

@@ -88,6 +88,7 @@ def rotating(call: int, depth: int) -> int | None:
 
 
 @pytest.mark.parametrize("tree, plan, min_tau, longest", [
+    ("chain1", None, 1.9, 2),  # only the root is scored: one row of logits decides
     ("chain4", None, 4.5, 5),  # every step accepts the whole chain: contiguous rows
     ("branchy", None, 4.5, 5),  # the rank-0 path runs over nodes 0, 1, 4, 7, 9: kept rows are not contiguous
     ("branchy", rotating, 1.5, 5),  # later siblings and a depth-3 miss: paths end early and through ranks 1 and 2
