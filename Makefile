@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-fast mutation setup clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the development loop: every in-process test (no real model, Ray or subprocess); about a minute
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# mutants of the algorithm modules against the fast loop; report in runs/mutation/report.md
+mutation: $(STAMP)
+	$(PY) tools/mutate.py -j 2
 
 clean:
 	rm -rf $(VENV)
