@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     ev = sub.add_parser("eval-heads", help="per-head top-1 on held-out text and tau per task with a tree")
     add_model_args(ev)
     ev.add_argument("--tasks", nargs="+", default=["gsm8k", "humaneval", "sharegpt"])
-    ev.add_argument("--gsm8k-data", default=None, help="local GSM8K file (default: ../shared/data/gsm8k/"
-                    "train.jsonl beside the repo, else the hub); only its eval subset is used")
+    ev.add_argument("--gsm8k-data", default=None, help="local copy of GSM8K's train.jsonl (default: the hub, "
+                    "openai/gsm8k); only its eval subset is used")
     ev.add_argument("--limit", type=int, default=20, help="eval prompts per task")
     ev.add_argument("--tree", default="hydra", help="built-in tree name or JSON file of paths")
     ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],

@@ -63,7 +63,7 @@ class JobConfig(BaseModel):
 
     task: str | None = Field(None, description="gsm8k | humaneval | sharegpt; or use `dataset`")
     dataset: str | None = Field(None, description="Parquet/JSONL/CSV path or hub id; with a task, that task's "
-                                "data from a local copy (e.g. ../shared/data/gsm8k/train.jsonl)")
+                                "data from a local copy (e.g. GSM8K's train.jsonl) instead of the hub")
     split: str = Field("test", description="split for hub datasets")
     prompt_column: str = Field("prompt", description="column holding the user message")
     id_column: str | None = Field(None, description="unique id column; absent -> stable ids from row order")

@@ -10,13 +10,7 @@ import time
 
 from .config import DecodingConfig, ModelConfig
 from .engine import Engine
-from .tasks import SHARED_DATA, load_prompts
-
-
-def default_dataset(task: str) -> str | None:
-    """A local copy of the task's data where the project's shared data lies beside it (GSM8K)."""
-    local = SHARED_DATA / "gsm8k" / "train.jsonl"
-    return str(local) if task == "gsm8k" and local.is_file() else None
+from .tasks import load_prompts
 
 
 def tau_on_prompts(engine: Engine, prompts: list[tuple[str, str]], decoding: DecodingConfig) -> dict:
@@ -78,7 +72,7 @@ def eval_heads(model_cfg: ModelConfig, tasks: list[str], limit: int, tree: str, 
     if heldout:
         report["heldout"] = heldout_top1(engine, heldout)
     for task in tasks:
-        dataset = (datasets or {}).get(task) or default_dataset(task)
+        dataset = (datasets or {}).get(task)  # None: the task's own source (the hub for GSM8K)
         table = load_prompts(task, dataset, split="train" if dataset else "test", limit=limit, seed=seed,
                              subset="eval")
         prompts = list(zip(table.column("id").to_pylist(), table.column("prompt").to_pylist()))

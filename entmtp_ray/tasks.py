@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import json
 import os
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +150,7 @@ def load_gsm8k(dataset: str | None, split: str) -> pa.Table:
             table = datasets.load_dataset(*GSM8K_HUB, split=split).data.table
         except Exception as exc:
             raise ValueError(f"--task gsm8k: could not load {GSM8K_HUB[0]} from the hub ({type(exc).__name__}); "
-                             "pass --dataset with a local copy, e.g. ../shared/data/gsm8k/train.jsonl") from exc
+                             "pass --dataset with a local copy of its train.jsonl") from exc
         raw = table.column("question").to_pylist()
         dataset = GSM8K_HUB[0]
     else:
@@ -268,16 +269,18 @@ TASKS = {"gsm8k", "humaneval", "sharegpt"}
 # so the split is stable whatever sample or order a run takes.
 SUBSETS = ("all", "tune", "eval")
 EVAL_BUCKETS = 10
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # the project's shared data, beside the repo
-HUMANEVAL_SPLIT = SHARED_DATA / "splits" / "humaneval_calibration.json"
+HUMANEVAL_SPLIT = "humaneval_calibration.json"  # package data (entmtp_ray/data/): the 84 calibration ids
 
 
 def humaneval_tune_ids() -> set[str]:
-    path = Path(os.environ.get("ENTMTP_HUMANEVAL_SPLIT", HUMANEVAL_SPLIT))
-    if not path.is_file():
-        raise ValueError(f"the HumanEval calibration split {path} is missing; set ENTMTP_HUMANEVAL_SPLIT to "
-                         "a JSON file with a 'task_ids' list (../shared/data/splits/humaneval_calibration.json)")
-    return set(json.loads(path.read_text())["task_ids"])
+    """The HumanEval task ids heads and banks may be fitted to; ENTMTP_HUMANEVAL_SPLIT names another file."""
+    override = os.environ.get("ENTMTP_HUMANEVAL_SPLIT")
+    if override is None:
+        return set(json.loads(resources.files("entmtp_ray.data").joinpath(HUMANEVAL_SPLIT).read_text())["task_ids"])
+    if not Path(override).is_file():
+        raise ValueError(f"ENTMTP_HUMANEVAL_SPLIT={override}: no such file; point it at a JSON file with a "
+                         "'task_ids' list, or unset it for the split shipped with the package")
+    return set(json.loads(Path(override).read_text())["task_ids"])
 
 
 def is_eval_row(task: str | None, row_id: str) -> bool:

@@ -32,7 +32,6 @@ from entmtp_ray.bench import BASELINES, POLICIES, SYSTEMS, Bench, Prompt, bench_
 from entmtp_ray.cli import add_input_args, add_model_args, model_config_from_args, quiet_logging  # noqa: E402
 from entmtp_ray.config import DecodingConfig  # noqa: E402
 from entmtp_ray.engine import encode_checked  # noqa: E402
-from entmtp_ray.evaluation import default_dataset  # noqa: E402
 from entmtp_ray.loading import (  # noqa: E402
     EMBEDDED_MODEL,
     available_depth,
@@ -99,8 +98,7 @@ def main(argv=None) -> int:
         drafts = any(s in POLICIES and s != "ar" for s in systems)
         vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab) if drafts else None
         subset = args.subset or ("eval" if args.task else "all")
-        dataset = args.dataset or (default_dataset(args.task) if args.task else None)
-        table = load_prompts(args.task, dataset, args.split, args.prompt_column, args.id_column,
+        table = load_prompts(args.task, args.dataset, args.split, args.prompt_column, args.id_column,
                              args.messages_column, args.limit, args.seed, subset)
         DecodingConfig(max_new_tokens=args.max_new_tokens, max_input_tokens=args.max_input_tokens)
         if any(t < 0 for t in args.temperatures):

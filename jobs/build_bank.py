@@ -1,6 +1,6 @@
 """Build a topology bank for one (model, heads, task) on the hardware at hand.
 
-    python jobs/build_bank.py --task gsm8k --dataset ../shared/data/gsm8k/train.jsonl \\
+    python jobs/build_bank.py --task gsm8k --dataset path/to/gsm8k/train.jsonl \\
         --out banks/smollm2-135m-instruct/gsm8k.json --work runs/bank-gsm8k
 
 1. Self-rollouts of the task's calibration prompts (its `tune` subset, --prompts sampled with

@@ -2,7 +2,7 @@
 prompts of a task (never its `eval` rows), written as Parquet that jobs/train_heads.py --self-distill
 reads. Resumable: rerun the same command and it continues.
 
-    python jobs/distill_data.py --task gsm8k --dataset ../shared/data/gsm8k/train.jsonl \\
+    python jobs/distill_data.py --task gsm8k --dataset path/to/gsm8k/train.jsonl \\
         --limit 1200 --out runs/distill/gsm8k
 """
 

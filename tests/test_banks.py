@@ -152,12 +152,10 @@ def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     import subprocess
     import sys
 
-    from entmtp_ray.tasks import SHARED_DATA
-
     model_dir, heads_dir = tiny_model_dirs
     out, work = tmp_path / "bank.json", tmp_path / "work"
     args = [sys.executable, str(Path(__file__).resolve().parent.parent / "jobs" / "build_bank.py"),
-            "--task", "gsm8k", "--dataset", str(SHARED_DATA / "gsm8k" / "train.jsonl"), "--prompts", "4",
+            "--task", "gsm8k", "--dataset", str(Path(__file__).parent / "fixtures" / "gsm8k_train_200.jsonl"), "--prompts", "4",
             "--max-new-tokens", "24", "--budget", "8", "--timing-prompts", "2", "--model", str(model_dir),
             "--heads", str(heads_dir), "--out", str(out), "--work", str(work)]
     first = subprocess.run(args, capture_output=True, text=True, timeout=600)

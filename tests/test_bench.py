@@ -20,7 +20,8 @@ def test_tiny_bench_of_every_system(tmp_path, capsys):
     out = tmp_path / "bench"
     systems = ["ar", "hf-generate", "hf-prompt-lookup", "hydra", "medusa", "entmtp-star", "entmtp-ladder",
                "entmtp-tau"]
-    rc = bench_job.main(["--task", "gsm8k", "--limit", "2", "--max-new-tokens", "16", "--threads", "2",
+    rc = bench_job.main(["--task", "gsm8k", "--dataset", str(ROOT / "tests" / "fixtures" / "gsm8k_train_200.jsonl"),
+                         "--limit", "2", "--max-new-tokens", "16", "--threads", "2",
                          "--systems", *systems, "--output", str(out)])
     stdout = capsys.readouterr().out
     assert rc == 0, stdout[-3000:]
