@@ -59,12 +59,12 @@ def forced_logits(loaded, reference) -> torch.Tensor:
         return loaded.model(torch.tensor([PROMPT + reference])).logits[0, len(PROMPT):].float()
 
 
-def decode(loaded, reference, policy, plan=None, **cfg):
+def decode(loaded, reference, policy, plan=None, seed=0, **cfg):
+    """(decoder, result) of PROMPT through `policy` with the oracle (decoder.drafter) drafting."""
     drafter = OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size, **({"plan": plan} if plan else {}))
     decoder = SpecDecoder(loaded, drafter, policy)
     cfg = DecodingConfig(**{"policy": "fixed", "max_new_tokens": MAX_NEW, **cfg})
-    generator = torch.Generator().manual_seed(0)
-    return decoder, decoder.generate(PROMPT, cfg, generator)
+    return decoder, decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed))
 
 
 def assert_cache_holds_the_committed_prefix(loaded, decoder, result):
@@ -203,12 +203,10 @@ def test_exact_sampling_never_emits_a_draft_it_rejected(loaded, reference):
     last token, anything but the depth-d draft it just rejected."""
     rejections = 0
     for seed in range(6):
-        drafter = OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size)
-        decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", tree_of("chain4")))
-        cfg = DecodingConfig(policy="fixed", temperature=0.7, acceptance="exact", max_new_tokens=MAX_NEW)
-        result = decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed))
+        decoder, result = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), seed=seed,
+                                 temperature=0.7, acceptance="exact")
         emitted = 1
-        for step, drafts in zip(result.steps, drafter.drafts):
+        for step, drafts in zip(result.steps, decoder.drafter.drafts):
             a = step.accepted_length
             new = result.output_token_ids[emitted: emitted + a]
             assert new[:-1] == drafts[1:a], "accepted drafts are emitted as drafted"
