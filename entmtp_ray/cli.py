@@ -13,11 +13,11 @@ import torch
 from pydantic import ValidationError
 from transformers.utils import logging as transformers_logging
 
-from .config import DecodingConfig, JobConfig, ModelConfig
-from .engine import Engine
-from .loading import EMBEDDED_MODEL
-from .policy import BANK_POLICIES, POLICIES
-from .tasks import LINE_ERROR, read_jsonl
+from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
+from entmtp_ray.pipeline.engine import Engine
+from entmtp_ray.model.loading import EMBEDDED_MODEL
+from entmtp_ray.decode.policy import BANK_POLICIES, POLICIES
+from entmtp_ray.pipeline.tasks import LINE_ERROR, read_jsonl
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -124,8 +124,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval_heads(args) -> int:
-    from .evaluation import eval_heads, format_report
-    from .tasks import TASKS
+    from entmtp_ray.train.evaluation import eval_heads, format_report
+    from entmtp_ray.pipeline.tasks import TASKS
 
     unknown = sorted(set(args.tasks) - TASKS)
     if unknown:

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from .acceptance import TYPICAL_ALPHA, TYPICAL_EPSILON
-from .loading import EMBEDDED_MODEL
+from entmtp_ray.decode.acceptance import TYPICAL_ALPHA, TYPICAL_EPSILON
+from entmtp_ray.model.loading import EMBEDDED_MODEL
 
 
 class ModelConfig(BaseModel):

@@ -27,12 +27,12 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
-from entmtp_ray.banks import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware  # noqa: E402
-from entmtp_ray.bench import BASELINES, POLICIES, SYSTEMS, Bench, Prompt, bench_table, weight_read_seconds  # noqa: E402
+from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware  # noqa: E402
+from entmtp_ray.bench.compare import BASELINES, POLICIES, SYSTEMS, Bench, Prompt, bench_table, weight_read_seconds  # noqa: E402
 from entmtp_ray.cli import add_input_args, add_model_args, model_config_from_args, quiet_logging  # noqa: E402
 from entmtp_ray.config import DecodingConfig  # noqa: E402
-from entmtp_ray.engine import encode_checked  # noqa: E402
-from entmtp_ray.loading import (  # noqa: E402
+from entmtp_ray.pipeline.engine import encode_checked  # noqa: E402
+from entmtp_ray.model.loading import (  # noqa: E402
     EMBEDDED_MODEL,
     available_depth,
     draft_vocab_for,
@@ -40,9 +40,9 @@ from entmtp_ray.loading import (  # noqa: E402
     load_model_heads,
     resolve_heads_path,
 )
-from entmtp_ray.policy import BANK_POLICIES  # noqa: E402
-from entmtp_ray.report import throughput_tables, write_report  # noqa: E402
-from entmtp_ray.tasks import load_prompts  # noqa: E402
+from entmtp_ray.decode.policy import BANK_POLICIES  # noqa: E402
+from entmtp_ray.bench.report import throughput_tables, write_report  # noqa: E402
+from entmtp_ray.pipeline.tasks import load_prompts  # noqa: E402
 
 
 def parse(argv):

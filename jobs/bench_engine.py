@@ -19,15 +19,15 @@ from collections import defaultdict
 
 import torch
 
-from entmtp_ray import decoding
-from entmtp_ray.banks import load_bank
+from entmtp_ray.decode import loop as decoding
+from entmtp_ray.calibrate.bank import load_bank
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decoding import HydraDrafter, SpecDecoder
-from entmtp_ray.kv_cache import KVCache
-from entmtp_ray.llama import forward_hidden, linear
-from entmtp_ray.loading import draft_vocab_for, load_model, load_model_heads
-from entmtp_ray.policy import FixedTree
-from entmtp_ray.tree import build_buffers, load_topology, make_topology
+from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.llama import forward_hidden, linear
+from entmtp_ray.model.loading import draft_vocab_for, load_model, load_model_heads
+from entmtp_ray.decode.policy import FixedTree
+from entmtp_ray.decode.tree import build_buffers, load_topology, make_topology
 
 
 class Timers:

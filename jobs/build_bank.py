@@ -32,24 +32,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import pyarrow.dataset as pads  # noqa: E402
 import torch  # noqa: E402
 
-from entmtp_ray.banks import (Bank, BankTree, candidate_trees, choose_policies, current_hardware,  # noqa: E402
+from entmtp_ray.calibrate.bank import (Bank, BankTree, candidate_trees, choose_policies, current_hardware,  # noqa: E402
                               replay_all, save_bank)
-from entmtp_ray.calibration import Rollout, measure_rollout  # noqa: E402
+from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout  # noqa: E402
 from entmtp_ray.cli import add_model_args, model_config_from_args, quiet_logging  # noqa: E402
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig  # noqa: E402
-from entmtp_ray.decoding import SpecDecoder, row_generator  # noqa: E402
-from entmtp_ray.engine import Engine  # noqa: E402
-from entmtp_ray.growth import AcceptanceTable, accepted_lengths, grow_trees, pareto_frontier  # noqa: E402
-from entmtp_ray.loading import PROJECT_ROOT  # noqa: E402
-from entmtp_ray.policy import FixedTree  # noqa: E402
-from entmtp_ray.tasks import TASKS, load_prompts  # noqa: E402
-from entmtp_ray.tree import make_topology  # noqa: E402
+from entmtp_ray.decode.loop import SpecDecoder, row_generator  # noqa: E402
+from entmtp_ray.pipeline.engine import Engine  # noqa: E402
+from entmtp_ray.calibrate.growth import AcceptanceTable, accepted_lengths, grow_trees, pareto_frontier  # noqa: E402
+from entmtp_ray.assets import asset  # noqa: E402
+from entmtp_ray.decode.policy import FixedTree  # noqa: E402
+from entmtp_ray.pipeline.tasks import TASKS, load_prompts  # noqa: E402
+from entmtp_ray.decode.tree import make_topology  # noqa: E402
 
 MAX_RANKS = (16, 8, 8, 8, 8)  # ranks kept per depth; a tree never needs more children than these
 
 
 def rollouts(args, model_cfg: ModelConfig, table, work: Path) -> Path:
-    from entmtp_ray.ray_stage import check_output, run_pipeline
+    from entmtp_ray.pipeline.ray_stage import check_output, run_pipeline
 
     out = work / "rollouts"
     check_output(str(out), resume=True)
@@ -118,9 +118,9 @@ def step_seconds(engine: Engine, trees: dict[str, frozenset], prompts: list[str]
 
 
 def project_relative(path: str) -> str:
-    """A path inside the checkout as the checkout sees it (banks ship; absolute paths do not travel)."""
+    """Shipped heads as the package's assets name them (banks ship; absolute paths do not travel)."""
     try:
-        return str(Path(path).resolve().relative_to(PROJECT_ROOT))
+        return str(Path(path).resolve().relative_to(asset().resolve()))
     except ValueError:
         return str(path)
 

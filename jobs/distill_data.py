@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from entmtp_ray.cli import quiet_logging  # noqa: E402
-from entmtp_ray.loading import EMBEDDED_MODEL, load_model  # noqa: E402
-from entmtp_ray.tasks import TASKS, load_prompts  # noqa: E402
-from entmtp_ray.training import distill  # noqa: E402
+from entmtp_ray.model.loading import EMBEDDED_MODEL, load_model  # noqa: E402
+from entmtp_ray.pipeline.tasks import TASKS, load_prompts  # noqa: E402
+from entmtp_ray.train.trainer import distill  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from entmtp_ray.heads import save_draft_vocab  # noqa: E402
-from entmtp_ray.loading import EMBEDDED_MODEL, load_model  # noqa: E402
-from entmtp_ray.training import chat_sequence, generated_conversations, sharegpt_conversations  # noqa: E402
+from entmtp_ray.model.heads import save_draft_vocab  # noqa: E402
+from entmtp_ray.model.loading import EMBEDDED_MODEL, load_model  # noqa: E402
+from entmtp_ray.train.trainer import chat_sequence, generated_conversations, sharegpt_conversations  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -20,9 +20,9 @@ from pydantic import ValidationError  # noqa: E402
 
 from entmtp_ray.cli import (add_decoding_args, add_job_args, add_model_args, configs_from_args,  # noqa: E402
                             job_config_from_args, quiet_logging)
-from entmtp_ray.engine import preflight  # noqa: E402
-from entmtp_ray.ray_stage import check_output, run_pipeline, shutdown  # noqa: E402
-from entmtp_ray.tasks import load_prompts  # noqa: E402
+from entmtp_ray.pipeline.engine import preflight  # noqa: E402
+from entmtp_ray.pipeline.ray_stage import check_output, run_pipeline, shutdown  # noqa: E402
+from entmtp_ray.pipeline.tasks import load_prompts  # noqa: E402
 
 
 def main(argv=None) -> int:

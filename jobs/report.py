@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout or a job's working dir
 
-from entmtp_ray.report import throughput_tables, write_report  # noqa: E402
+from entmtp_ray.bench.report import throughput_tables, write_report  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from entmtp_ray.cli import quiet_logging  # noqa: E402
-from entmtp_ray.heads import init_heads  # noqa: E402
-from entmtp_ray.loading import EMBEDDED_MODEL, load_model, machine_name  # noqa: E402
-from entmtp_ray.training import (TrainConfig, chat_sequence, evaluate,  # noqa: E402
+from entmtp_ray.model.heads import init_heads  # noqa: E402
+from entmtp_ray.model.loading import EMBEDDED_MODEL, load_model, machine_name  # noqa: E402
+from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, evaluate,  # noqa: E402
                                  generated_conversations, sharegpt_conversations, train)
 
 

@@ -45,8 +45,8 @@ def tiny_model_dirs(tmp_path_factory):
     4 prefix-mlp heads with their own vocab projections, as the production path has."""
     from transformers import AutoTokenizer
 
-    from entmtp_ray.heads import init_heads, save_heads
-    from entmtp_ray.loading import resolve_model_path
+    from entmtp_ray.model.heads import init_heads, save_heads
+    from entmtp_ray.model.loading import resolve_model_path
 
     root = tmp_path_factory.mktemp("local")
     model_dir, heads_dir = root / "tiny-vicuna", root / "heads"

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from entmtp_ray.acceptance import argmax_rows, greedy_accept, next_token, typical_accept
-from entmtp_ray.tree import build_buffers, load_topology, make_topology
+from entmtp_ray.decode.acceptance import argmax_rows, greedy_accept, next_token, typical_accept
+from entmtp_ray.decode.tree import build_buffers, load_topology, make_topology
 
 V = 8
 T = torch.tensor
@@ -291,7 +291,7 @@ def test_next_token_sampling_frequencies_follow_temperature():
 
 
 def test_a_float_tie_is_two_units_in_the_last_place_of_the_logits_dtype():
-    from entmtp_ray.acceptance import greedy_up_to_tie
+    from entmtp_ray.decode.acceptance import greedy_up_to_tie
 
     logits = torch.tensor([[13.0, 13.0 - 0.12, 1.0], [13.0, 13.0 - 0.3, 1.0], [0.5, 0.5 - 5e-5, 0.0]])
     tokens = torch.tensor([1, 1, 1])
@@ -317,7 +317,7 @@ def test_argmax_rows_picks_the_first_of_tied_maxima_as_argmax(dtype):
 
 
 def test_the_tie_rule_takes_any_leading_shape_and_its_bound_is_inclusive():
-    from entmtp_ray.acceptance import greedy_up_to_tie
+    from entmtp_ray.decode.acceptance import greedy_up_to_tie
 
     logits = torch.tensor([[[0.0, -1e-4, -2e-4], [3.0, 1.0, 2.0]], [[1.0, 5.0, 0.0], [0.0, 0.0, 9.0]]])  # [2, 2, 3]
     tokens = torch.tensor([[1, 2], [1, 0]])  # [2, 2]
@@ -339,7 +339,7 @@ def test_typical_needs_the_probability_strictly_above_the_threshold():
 
 
 def test_exact_rejects_zero_temperature(tree_a):
-    from entmtp_ray.acceptance import exact_accept
+    from entmtp_ray.decode.acceptance import exact_accept
 
     with pytest.raises(AssertionError):
         exact_accept(TOKENS_A.tolist(), peaked(1, 3), tree_a.row_of_node, tree_a.children, 0.0, None)
@@ -348,7 +348,7 @@ def test_exact_rejects_zero_temperature(tree_a):
 def test_exact_skips_a_repeated_sibling_draft():
     """Hydra's siblings are distinct tokens, but a drafter may repeat one: once rejected, a token has
     no residual mass left, so its repeat must not get a second chance (P(x) stays p(x) = 0.5)."""
-    from entmtp_ray.acceptance import exact_accept
+    from entmtp_ray.decode.acceptance import exact_accept
 
     b = build_buffers(make_topology([[0], [1], [2]]))
     logits = logits_from_probs([_row({3: 0.5, 4: 0.3})], 0.7)

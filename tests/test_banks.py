@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from entmtp_ray.banks import Bank, BankTree, Hardware, PolicyParams, SignalParams, load_bank, save_bank
+from entmtp_ray.calibrate.bank import Bank, BankTree, Hardware, PolicyParams, SignalParams, load_bank, save_bank
 
 
 def make_bank(**overrides) -> Bank:
@@ -90,7 +90,7 @@ def test_bank_consistency_checks_name_what_is_wrong(tmp_path):
 
 def test_bank_policies_by_name_and_signal_flag():
     from entmtp_ray.config import DecodingConfig
-    from entmtp_ray.policy import make_policy
+    from entmtp_ray.decode.policy import make_policy
 
     bank = make_bank()
     star = make_policy(DecodingConfig(policy="entmtp-star"), bank)
@@ -108,11 +108,11 @@ def test_bank_policies_by_name_and_signal_flag():
 @pytest.mark.parametrize("policy", ["entmtp-star", "entmtp-ladder", "entmtp-tau"])
 def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path, policy):
     from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.engine import Engine
+    from entmtp_ray.pipeline.engine import Engine
 
     model_dir, heads_dir = tiny_model_dirs
     model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
-    from entmtp_ray.calibration import measure_rollout
+    from entmtp_ray.calibrate.rollouts import measure_rollout
 
     reference = Engine(model_cfg, DecodingConfig(policy="ar", max_new_tokens=40)).generate("r", "Write a poem.")
     engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=40))  # its heads rank the drafts
@@ -136,7 +136,7 @@ def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path,
 
 def test_bank_policy_without_task_or_bank_fails_before_loading():
     from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.engine import preflight
+    from entmtp_ray.pipeline.engine import preflight
 
     with pytest.raises(ValueError, match="pass --task NAME"):
         preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau"))

@@ -9,6 +9,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from entmtp_ray.assets import shipped_bank
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = importlib.util.spec_from_file_location("bench_job", ROOT / "jobs" / "bench.py")
 bench_job = importlib.util.module_from_spec(SPEC)
@@ -81,15 +83,15 @@ ENGINE_SPEC.loader.exec_module(bench_engine)
 def test_engine_step_breakdown_times_every_part_of_a_tree_step():
     """jobs/bench_engine.py's per-step breakdown on the embedded model with its shipped heads and a bank
     tree: each part is timed, the parts fit inside the step, and the decoder's functions come back."""
-    from entmtp_ray import decoding
-    from entmtp_ray.banks import load_bank
-    from entmtp_ray.decoding import HydraDrafter
-    from entmtp_ray.loading import draft_vocab_for, load_model, load_model_heads
+    from entmtp_ray.decode import loop as decoding
+    from entmtp_ray.calibrate.bank import load_bank
+    from entmtp_ray.decode.loop import HydraDrafter
+    from entmtp_ray.model.loading import draft_vocab_for, load_model, load_model_heads
 
     loaded = load_model("smollm2-135m-instruct", dtype="bf16", device="cpu")
     heads = load_model_heads(loaded, None)
     vocab = draft_vocab_for("smollm2-135m-instruct", None, None)
-    bank = load_bank(ROOT / "banks" / "smollm2-135m-instruct" / "gsm8k.json")
+    bank = load_bank(shipped_bank("smollm2-135m-instruct", "gsm8k"))
     prompts = [loaded.encode_prompt("What is 12 times 7? Answer briefly.")]
     before = decoding.forward_hidden, decoding.prepare, HydraDrafter.draft, HydraDrafter.advance
     parts = bench_engine.step_breakdown(loaded, heads, vocab, prompts, 12, bank.policy.star,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entmtp_ray.calibration import NOT_RANKED, rank_rows
+from entmtp_ray.calibrate.rollouts import NOT_RANKED, rank_rows
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.engine import Engine
-from entmtp_ray.growth import AcceptanceTable
-from entmtp_ray.tree import load_topology
+from entmtp_ray.pipeline.engine import Engine
+from entmtp_ray.calibrate.growth import AcceptanceTable
+from entmtp_ray.decode.tree import load_topology
 
 
 def true_path_ranks(engine, seq, t, depth):
@@ -18,7 +18,7 @@ def true_path_ranks(engine, seq, t, depth):
     drafter, model = engine.decoder.drafter, engine.loaded.model
     ids = torch.tensor(seq)
     cache = engine.decoder._cache_for(len(seq))
-    from entmtp_ray.llama import forward_hidden
+    from entmtp_ray.model.llama import forward_hidden
 
     hidden = forward_hidden(model, cache, ids[: t + 1], torch.arange(t + 1))
     drafter.begin(hidden, torch.arange(t + 1), len(seq))
@@ -88,8 +88,8 @@ def test_table_predicts_every_steps_accepted_length_with_shipped_heads(tree):
 
 
 def test_replay_counts_steps_tokens_and_switches_by_hand():
-    from entmtp_ray.growth import accepted_lengths, replay
-    from entmtp_ray.policy import HysteresisPolicy, make_signal
+    from entmtp_ray.calibrate.growth import accepted_lengths, replay
+    from entmtp_ray.decode.policy import HysteresisPolicy, make_signal
 
     trees = {"one": frozenset(), "chain": frozenset({(0,), (0, 0)})}
     rows = [[0, 0], [0, 5], [-1], [0, 0], [0], [0]]  # a 6-token rollout (token 0 came from the prefill)
@@ -107,10 +107,10 @@ def test_replay_counts_steps_tokens_and_switches_by_hand():
 
 @pytest.mark.slow
 def test_replay_reproduces_greedy_decoding_of_a_switching_policy():
-    from entmtp_ray.calibration import measure_rollout
-    from entmtp_ray.decoding import SpecDecoder
-    from entmtp_ray.growth import accepted_lengths, replay
-    from entmtp_ray.policy import HysteresisPolicy, make_signal
+    from entmtp_ray.calibrate.rollouts import measure_rollout
+    from entmtp_ray.decode.loop import SpecDecoder
+    from entmtp_ray.calibrate.growth import accepted_lengths, replay
+    from entmtp_ray.decode.policy import HysteresisPolicy, make_signal
 
     base = Engine(ModelConfig(dtype="fp32", device="cpu"), DecodingConfig(policy="hydra", max_new_tokens=96))
     policy = HysteresisPolicy("entmtp-tau", "chain3", "hydra", tau_on=0.6, tau_off=1.2,

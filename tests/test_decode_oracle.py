@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decoding import SpecDecoder
-from entmtp_ray.kv_cache import KVCache
-from entmtp_ray.llama import forward_hidden
-from entmtp_ray.loading import LoadedModel
-from entmtp_ray.policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
-from entmtp_ray.tree import chain_topology, make_topology
+from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.llama import forward_hidden
+from entmtp_ray.model.loading import LoadedModel
+from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
+from entmtp_ray.decode.tree import chain_topology, make_topology
 from oracle import OracleDrafter
 
 PROMPT = [3, 14, 15, 92, 65, 35]
@@ -160,7 +160,7 @@ def test_time_is_split_into_prefill_decode_and_scheduling(loaded, reference, mon
     from itertools import count
     from types import SimpleNamespace
 
-    from entmtp_ray import decoding
+    from entmtp_ray.decode import loop as decoding
 
     ticks = count(100)
     monkeypatch.setattr(decoding, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
@@ -315,7 +315,7 @@ def test_trace_signal_records_the_entropy_a_fixed_tree_would_switch_on(loaded, r
 def test_row_generators_are_pinned_so_a_relabel_reproduces_across_releases():
     """A row's sampling stream depends only on the run seed and the row id, by a fixed formula: the
     same --seed on the same ids draws the same samples in any later release (change it only on purpose)."""
-    from entmtp_ray.decoding import row_generator
+    from entmtp_ray.decode.loop import row_generator
 
     assert row_generator(123, "q1", "cpu").initial_seed() == 762851491
     assert row_generator(0, "HumanEval/0", "cpu").initial_seed() == 2719863463
@@ -324,7 +324,7 @@ def test_row_generators_are_pinned_so_a_relabel_reproduces_across_releases():
 
 
 def test_result_figures_of_short_and_empty_generations():
-    from entmtp_ray.decoding import GenerationResult, StepTrace
+    from entmtp_ray.decode.loop import GenerationResult, StepTrace
 
     one = GenerationResult([1], [5, 6], "", "length", prefill_s=0.5, decode_s=0.5, schedule_s=0.0,
                            steps=[StepTrace("t", 3, 1, [], [], signal=0.25)])

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 
 from entmtp_ray.config import ModelConfig
-from entmtp_ray.evaluation import eval_heads, format_report
-from entmtp_ray.loading import load_model
-from entmtp_ray.training import distill, generated_conversations
+from entmtp_ray.train.evaluation import eval_heads, format_report
+from entmtp_ray.model.loading import load_model
+from entmtp_ray.train.trainer import distill, generated_conversations
 
 
 def test_eval_heads_report_pools_steps_per_task_and_temperature(tiny_model_dirs):

@@ -23,12 +23,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from entmtp_ray import acceptance, decoding
+from entmtp_ray.decode import acceptance as acceptance
+from entmtp_ray.decode import loop as decoding
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decoding import HydraDrafter, SpecDecoder
-from entmtp_ray.heads import init_heads
-from entmtp_ray.loading import LoadedModel
-from entmtp_ray.policy import FixedTree
+from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.model.heads import init_heads
+from entmtp_ray.model.loading import LoadedModel
+from entmtp_ray.decode.policy import FixedTree
 
 VOCAB, TOKENS, TEMPERATURE = 8, 3, 0.7
 SAMPLES = 3000
@@ -146,8 +147,8 @@ def _no_renormalising(tokens, logits, row_of_node, children, temperature, genera
 def first_two_tokens_counts(accept, node_logits, tokens, samples: int, seed: int = 0) -> dict[tuple, int]:
     """Counts of the first two tokens one tree step emits (the accepted drafts, then the token from
     the last node's residual), over `samples` seeded draws of `accept` (exact_accept's signature)."""
-    from entmtp_ray.acceptance import next_token
-    from entmtp_ray.tree import build_buffers, make_topology
+    from entmtp_ray.decode.acceptance import next_token
+    from entmtp_ray.decode.tree import build_buffers, make_topology
 
     buffers = build_buffers(make_topology(TREE))
     scored = node_logits[buffers.scored_nodes]  # [scored, V]
@@ -166,7 +167,7 @@ def first_two_tokens_counts(accept, node_logits, tokens, samples: int, seed: int
 def first_two_tokens_law(node_logits, tokens) -> dict[tuple, float]:
     """What sampling from the verifier gives: x1 ~ p_root; after a drafted x1 (child c), x2 ~ p_c;
     after an undrafted x1 the step ends."""
-    from entmtp_ray.tree import build_buffers, make_topology
+    from entmtp_ray.decode.tree import build_buffers, make_topology
 
     buffers = build_buffers(make_topology(TREE))
     p = torch.softmax(node_logits.double() / TEMPERATURE, -1)  # [n, V]
@@ -185,7 +186,7 @@ def first_two_tokens_law(node_logits, tokens) -> dict[tuple, float]:
 def crafted_step():
     """Verifier logits for every node of TREE ([8, VOCAB]) and drafts as good heads make them: each
     parent's children are its likeliest tokens, best first, so rejections remove real mass."""
-    from entmtp_ray.tree import build_buffers, make_topology
+    from entmtp_ray.decode.tree import build_buffers, make_topology
 
     gen = torch.Generator().manual_seed(3)
     node_logits = 1.5 * torch.randn(8, VOCAB, generator=gen)
@@ -231,8 +232,8 @@ def test_exact_at_a_tiny_temperature_accepts_what_greedy_accepts(seed):
     distribution is one-hot to within exp(-250), so exact acceptance must take greedy's path,
     reject exactly the last node's drafted children (none is the argmax), and the residual's
     sample must be the argmax. (At T=0 the decoder sends exact to greedy, so T=0 proves nothing.)"""
-    from entmtp_ray.acceptance import exact_accept, greedy_accept, next_token
-    from entmtp_ray.tree import build_buffers, make_topology
+    from entmtp_ray.decode.acceptance import exact_accept, greedy_accept, next_token
+    from entmtp_ray.decode.tree import build_buffers, make_topology
 
     rng = torch.Generator().manual_seed(seed)
     buffers = build_buffers(make_topology(TREE))

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from entmtp_ray.decoding import HydraDrafter
-from entmtp_ray.heads import DRAFT_VOCAB_FILE, init_heads, load_draft_vocab, save_draft_vocab
-from entmtp_ray.kv_cache import KVCache
-from entmtp_ray.heads import HeadPlan
-from entmtp_ray.llama import Projection, forward_hidden, fused_projections, linear, rotary_tables
-from entmtp_ray.tree import build_buffers, load_topology
+from entmtp_ray.decode.loop import HydraDrafter
+from entmtp_ray.model.heads import DRAFT_VOCAB_FILE, init_heads, load_draft_vocab, save_draft_vocab
+from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.heads import HeadPlan
+from entmtp_ray.model.llama import Projection, forward_hidden, fused_projections, linear, rotary_tables
+from entmtp_ray.decode.tree import build_buffers, load_topology
 
 from conftest import make_tiny_llama
 
@@ -191,7 +191,7 @@ def test_draft_vocab_file_round_trip_and_errors(tmp_path):
 
 
 def test_verifier_stats_match_the_softmax_definition():
-    from entmtp_ray.decoding import _top1_probs, _verifier_stats
+    from entmtp_ray.decode.loop import _top1_probs, _verifier_stats
 
     logits = 4 * torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = 60.0  # nearly one-hot

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from entmtp_ray.acceptance import greedy_up_to_tie
+from entmtp_ray.decode.acceptance import greedy_up_to_tie
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decoding import HydraDrafter, SpecDecoder
-from entmtp_ray.loading import draft_vocab_for, load_model, load_model_heads
-from entmtp_ray.policy import FixedTree
-from entmtp_ray.tree import make_topology
+from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.model.loading import draft_vocab_for, load_model, load_model_heads
+from entmtp_ray.decode.policy import FixedTree
+from entmtp_ray.decode.tree import make_topology
 from oracle import OracleDrafter
 
 pytestmark = pytest.mark.slow
@@ -154,8 +154,8 @@ def test_entmtp_policies_with_shipped_banks_are_greedy(loaded, task):
     every other signal it tunes), each on another prompt: the shipped banks load, resolve their
     trees against the shipped heads, and decode plain greedy's tokens. (Switching mid-generation
     is checked against greedy in test_decode_oracle.py with policies made to switch.)"""
-    from entmtp_ray.banks import default_bank_path, load_bank
-    from entmtp_ray.policy import make_policy
+    from entmtp_ray.calibrate.bank import default_bank_path, load_bank
+    from entmtp_ray.decode.policy import make_policy
 
     bank = load_bank(default_bank_path(loaded.name, task), max_depth=4)
     drafter = HydraDrafter(load_model_heads(loaded, None), loaded.model, draft_vocab_for(loaded.name, None, None))

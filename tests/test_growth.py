@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from entmtp_ray.growth import AcceptanceTable, brute_force_best, grow_trees, pareto_frontier
-from entmtp_ray.tree import make_topology
+from entmtp_ray.calibrate.growth import AcceptanceTable, brute_force_best, grow_trees, pareto_frontier
+from entmtp_ray.decode.tree import make_topology
 
 
 def synthetic_rows(n: int, seed: int, depth: int = 3) -> list[list[int]]:
@@ -83,7 +83,7 @@ def test_pareto_frontier_keeps_exactly_the_undominated_points():
 def regime_rollouts(n: int, seed: int):
     """Rollouts alternating confident stretches (low entropy; the true token is always the top
     draft) and uncertain ones (high entropy; nothing is accepted)."""
-    from entmtp_ray.calibration import Rollout
+    from entmtp_ray.calibrate.rollouts import Rollout
 
     rng = random.Random(seed)
     out = []
@@ -99,8 +99,8 @@ def regime_rollouts(n: int, seed: int):
 
 
 def test_policy_sweep_finds_a_switching_policy_that_beats_the_static_tree():
-    from entmtp_ray.banks import choose_policies, replay_all
-    from entmtp_ray.policy import FixedTree, HysteresisPolicy, make_signal
+    from entmtp_ray.calibrate.bank import choose_policies, replay_all
+    from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, make_signal
 
     rollouts = regime_rollouts(20, 0)
     trees = {"n1": frozenset(), "n4": frozenset({(0,), (0, 0), (0, 0, 0)})}

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-from entmtp_ray.heads import CONFIG_FILE, init_heads, load_heads, save_heads
+from entmtp_ray.model.heads import CONFIG_FILE, init_heads, load_heads, save_heads
 
 H, V, NUM_HEADS, NUM_LAYERS = 32, 97, 3, 4
 PREFIX = "prefix_embeding_layer."

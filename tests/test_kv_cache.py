@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entmtp_ray.kv_cache import KVCache
-from entmtp_ray.llama import forward_hidden
-from entmtp_ray.tree import build_buffers, make_topology
+from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.llama import forward_hidden
+from entmtp_ray.decode.tree import build_buffers, make_topology
 
 # --- KVCache alone ----------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.engine import Engine
-from entmtp_ray.loading import VICUNA_SYSTEM, load_model
+from entmtp_ray.pipeline.engine import Engine
+from entmtp_ray.model.loading import VICUNA_SYSTEM, load_model
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_trace_signal_records_the_running_entropy_before_each_step(local_dirs):
     """--trace-signal: a fixed tree records the entropy EMA (beta 0.9, from 0) the step was chosen
     under; the per-step accepted lengths sum to the output after the prefill's token; without the
     flag a fixed tree records no signal (and computes no verifier statistic)."""
-    from entmtp_ray.decoding import _verifier_stats
+    from entmtp_ray.decode.loop import _verifier_stats
 
     model_dir, heads_dir = local_dirs
     model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")

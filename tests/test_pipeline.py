@@ -23,7 +23,7 @@ import pyarrow.dataset as pads
 import pytest
 
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
-from entmtp_ray.records import OUTPUT_COLUMNS
+from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
 
 import raytools  # tests/raytools.py (pytest puts tests/, which has no __init__.py, on sys.path)
 
@@ -147,8 +147,8 @@ def test_node_removed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    from entmtp_ray.ray_stage import run_pipeline
-    from entmtp_ray.tasks import load_prompts
+    from entmtp_ray.pipeline.ray_stage import run_pipeline
+    from entmtp_ray.pipeline.tasks import load_prompts
 
     model_dir, heads_dir = tiny_model_dirs
     data = write_prompts(tmp_path / "prompts.jsonl", 12)
@@ -223,7 +223,7 @@ def test_resume_sets_aside_files_a_stopped_job_cut_short(tmp_path):
     output reads again) and its rows count as not done; whole files count."""
     import pyarrow.parquet as pq
 
-    from entmtp_ray.ray_stage import finished_ids
+    from entmtp_ray.pipeline.ray_stage import finished_ids
 
     out = tmp_path / "out"
     out.mkdir()

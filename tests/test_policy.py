@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from entmtp_ray.policy import HysteresisPolicy, LadderPolicy, make_signal
+from entmtp_ray.decode.policy import HysteresisPolicy, LadderPolicy, make_signal
 
 
 @dataclass

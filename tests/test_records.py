@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.records import OUTPUT_SCHEMA, output_table
+from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, output_table
 
 # The contract with users' readers, written out here on purpose: a change to records.py that
 # renames, drops, reorders or retypes a column must fail this test and be made deliberately.
@@ -51,7 +51,7 @@ PROMPT = "Write a poem."
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):
-    from entmtp_ray.engine import Engine
+    from entmtp_ray.pipeline.engine import Engine
 
     model_dir, heads_dir = tiny_model_dirs
     return Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
@@ -130,7 +130,7 @@ def test_chat_turns_are_the_prompt_when_given(engine):
 
 
 def test_summary_figures_from_what_was_written(tmp_path):
-    from entmtp_ray.ray_stage import summarize
+    from entmtp_ray.pipeline.ray_stage import summarize
 
     def row(id, tokens, steps, started, total, error=None):
         return {"id": id, "num_output_tokens": tokens, "steps": steps, "error": error, "started_at": started,
@@ -156,7 +156,7 @@ def test_summary_figures_from_what_was_written(tmp_path):
 
 
 def test_an_ar_row_drafts_nothing_so_reports_no_positions_and_no_heads(tiny_model_dirs):
-    from entmtp_ray.engine import Engine
+    from entmtp_ray.pipeline.engine import Engine
 
     model_dir, heads_dir = tiny_model_dirs
     engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from entmtp_ray.records import OUTPUT_SCHEMA
-from entmtp_ray.report import load_runs, summarize
+from entmtp_ray.pipeline.records import OUTPUT_SCHEMA
+from entmtp_ray.bench.report import load_runs, summarize
 
 _spec = importlib.util.spec_from_file_location("report_job", Path(__file__).parents[1] / "jobs" / "report.py")
 report_job = importlib.util.module_from_spec(_spec)

@@ -10,7 +10,7 @@ import pyarrow.csv
 import pyarrow.parquet as pq
 import pytest
 
-from entmtp_ray.tasks import iter_sharegpt, load_prompts
+from entmtp_ray.pipeline.tasks import iter_sharegpt, load_prompts
 
 GSM8K = Path(__file__).parent / "fixtures" / "gsm8k_train_200.jsonl"  # GSM8K train's first 200 lines
 
@@ -124,7 +124,7 @@ def test_malformed_jsonl_lines_become_error_rows(tmp_path):
 
 
 def test_tune_and_eval_subsets_partition_every_task(gsm8k_path):
-    from entmtp_ray.tasks import humaneval_tune_ids
+    from entmtp_ray.pipeline.tasks import humaneval_tune_ids
 
     for task, dataset in [("gsm8k", gsm8k_path), ("humaneval", None)]:
         every = set(load_prompts(task, dataset).column("id").to_pylist())

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entmtp_ray import training
-from entmtp_ray.heads import init_heads, load_heads
-from entmtp_ray.loading import load_model
-from entmtp_ray.training import TrainConfig, chat_sequence, evaluate, train
+from entmtp_ray.train import trainer as training
+from entmtp_ray.model.heads import init_heads, load_heads
+from entmtp_ray.model.loading import load_model
+from entmtp_ray.train.trainer import TrainConfig, chat_sequence, evaluate, train
 
 CHATS = [
     [{"role": "user", "content": f"Count from {i} to {i + 5}."},
@@ -59,7 +59,7 @@ def test_a_few_steps_lower_the_loss(tiny, sequences, tmp_path):
 
 
 def test_heads_saved_in_bf16_are_half_the_size_and_load_as_the_rounded_weights(tiny, tmp_path):
-    from entmtp_ray.heads import WEIGHTS_FILE, save_heads
+    from entmtp_ray.model.heads import WEIGHTS_FILE, save_heads
 
     heads = fresh_heads(tiny)
     with torch.no_grad():

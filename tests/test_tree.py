@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from entmtp_ray.tree import Topology, build_buffers, chain_topology, load_topology, make_topology
+from entmtp_ray.decode.tree import Topology, build_buffers, chain_topology, load_topology, make_topology
 
 T = torch.tensor
 

@@ -7,7 +7,7 @@ each mutant in a forked child that imports the mutated module from memory (a sys
 files on disk are never written); the results cache (runs/mutation/results.json, keyed by mutant
 id and module source hash) and the report (runs/mutation/report.md).
 
-    .venv/bin/python tools/mutate.py [-j 2] [--module entmtp_ray/tree.py ...] [--list]
+    .venv/bin/python tools/mutate.py [-j 2] [--module entmtp_ray/decode/tree.py ...] [--list]
 
 Tests that run the module in another process (subprocess CLIs, Ray workers) never see a mutant.
 """
@@ -19,8 +19,8 @@ import signal, sys, time, traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODULES = ["entmtp_ray/acceptance.py", "entmtp_ray/tree.py", "entmtp_ray/kv_cache.py",
-                   "entmtp_ray/policy.py", "entmtp_ray/decoding.py"]
+DEFAULT_MODULES = ["entmtp_ray/decode/acceptance.py", "entmtp_ray/decode/tree.py", "entmtp_ray/model/kv_cache.py",
+                   "entmtp_ray/decode/policy.py", "entmtp_ray/decode/loop.py"]
 DEFAULT_TESTS = 'tests -m "not slow"'
 PRELOAD = ("numpy", "torch", "pyarrow", "pydantic", "safetensors.torch", "pytest", "transformers",
            "transformers.models.llama.modeling_llama")  # imported once by the parent; never entmtp_ray

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-from .config import DecodingConfig, ModelConfig
-from .engine import Engine
-from .tasks import load_prompts
+from entmtp_ray.config import DecodingConfig, ModelConfig
+from entmtp_ray.pipeline.engine import Engine
+from entmtp_ray.pipeline.tasks import load_prompts
 
 
 def tau_on_prompts(engine: Engine, prompts: list[tuple[str, str]], decoding: DecodingConfig) -> dict:
@@ -51,7 +51,7 @@ def tau_on_prompts(engine: Engine, prompts: list[tuple[str, str]], decoding: Dec
 
 def heldout_top1(engine: Engine, conversations: int, batch_tokens: int = 1024, max_len: int = 512) -> dict:
     """Per-head top-1 agreement and soft cross-entropy on held-out ShareGPT text (the eval subset)."""
-    from .training import chat_sequence, evaluate, sharegpt_conversations
+    from entmtp_ray.train.trainer import chat_sequence, evaluate, sharegpt_conversations
 
     loaded = engine.loaded
     sequences = [s for s in (chat_sequence(loaded, c, max_len) for c in sharegpt_conversations(conversations, "eval"))

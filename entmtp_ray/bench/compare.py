@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from .acceptance import greedy_up_to_tie
-from .config import DecodingConfig
-from .decoding import GenerationResult, HydraDrafter, SpecDecoder, StepTrace, row_generator
-from .loading import LoadedModel, embedded_source
-from .policy import BANK_POLICIES, make_policy
-from .records import OUTPUT_SCHEMA, error_row, result_row
+from entmtp_ray.decode.acceptance import greedy_up_to_tie
+from entmtp_ray.config import DecodingConfig
+from entmtp_ray.decode.loop import GenerationResult, HydraDrafter, SpecDecoder, StepTrace, row_generator
+from entmtp_ray.model.loading import LoadedModel, embedded_source
+from entmtp_ray.decode.policy import BANK_POLICIES, make_policy
+from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, error_row, result_row
 
 POLICIES = ("ar", "hydra", "medusa", "entmtp-star", "entmtp-ladder", "entmtp-tau")
 BASELINES = ("hf-generate", "hf-prompt-lookup", "llama-cpp")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCache
+from entmtp_ray.model.kv_cache import KVCache
 
 
 def rotary(rotary_emb: torch.nn.Module, like: torch.Tensor, positions: torch.Tensor):

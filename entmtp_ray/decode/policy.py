@@ -9,10 +9,10 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Protocol
 
-from .config import DecodingConfig
+from entmtp_ray.config import DecodingConfig
 
 if TYPE_CHECKING:
-    from .banks import Bank
+    from entmtp_ray.calibrate.bank import Bank
 
 
 class StepView(Protocol):

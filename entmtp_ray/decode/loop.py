@@ -13,14 +13,14 @@ from typing import Protocol
 
 import torch
 
-from .acceptance import exact_accept, greedy_accept, next_token, typical_accept
-from .config import DecodingConfig
-from .heads import HeadsPlan, HydraHeads
-from .kv_cache import KVCache
-from .llama import ONE_TOKEN_ROWS, Projection, forward_hidden, prepare
-from .loading import LoadedModel
-from .policy import Policy, Signal, make_signal
-from .tree import TreeBuffers, build_buffers, chain_topology, load_topology
+from entmtp_ray.decode.acceptance import exact_accept, greedy_accept, next_token, typical_accept
+from entmtp_ray.config import DecodingConfig
+from entmtp_ray.model.heads import HeadsPlan, HydraHeads
+from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.llama import ONE_TOKEN_ROWS, Projection, forward_hidden, prepare
+from entmtp_ray.model.loading import LoadedModel
+from entmtp_ray.decode.policy import Policy, Signal, make_signal
+from entmtp_ray.decode.tree import TreeBuffers, build_buffers, chain_topology, load_topology
 
 
 @dataclass

@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field, model_validator
 
-from .loading import PROJECT_ROOT, machine_name
-from .policy import SIGNALS
-from .tree import Topology, make_topology
+from entmtp_ray.assets import shipped_bank
+from entmtp_ray.model.loading import machine_name
+from entmtp_ray.decode.policy import SIGNALS
+from entmtp_ray.decode.tree import Topology, make_topology
 
 log = logging.getLogger(__name__)
 BANK_VERSION = 1
@@ -113,8 +114,8 @@ class Bank(BaseModel):
 
 
 def default_bank_path(model_name: str, task: str) -> Path:
-    """Where the bank for a model and task ships: banks/<model>/<task>.json."""
-    return PROJECT_ROOT / "banks" / Path(model_name).name / f"{task}.json"
+    """Where the bank for a model and task ships: assets/banks/<model>/<task>.json."""
+    return shipped_bank(model_name, task)
 
 
 def resolve_bank_path(model_name: str, task: str | None, bank: str | None) -> Path:
@@ -198,7 +199,7 @@ def replay_all(rollouts, policy, trees: dict[str, frozenset], step_seconds: dict
                prefill_seconds: float = 0.0, lengths: list[dict[str, list[int]]] | None = None):
     """A policy replayed over every calibration rollout, pooled (see growth.replay); `lengths`,
     one growth.accepted_lengths per rollout, makes repeated replays several times faster."""
-    from .growth import Replay, replay
+    from entmtp_ray.calibrate.growth import Replay, replay
 
     total = Replay()
     for k, r in enumerate(rollouts):
@@ -210,8 +211,8 @@ def replay_all(rollouts, policy, trees: dict[str, frozenset], step_seconds: dict
 
 def signal_quantiles(rollouts, name: str, beta: float) -> list[float]:
     """Quantiles of the EMA signal as a fixed policy would see it over the calibration rollouts."""
-    from .growth import ReplayStep
-    from .policy import make_signal
+    from entmtp_ray.calibrate.growth import ReplayStep
+    from entmtp_ray.decode.policy import make_signal
 
     signal, values = make_signal(name, beta, 0.0), []
     for r in rollouts:
@@ -230,8 +231,8 @@ def choose_policies(rollouts, trees: dict[str, frozenset], step_seconds: dict[st
     `lengths`: growth.accepted_lengths per rollout when the caller already has them."""
     from itertools import combinations
 
-    from .growth import accepted_lengths
-    from .policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
+    from entmtp_ray.calibrate.growth import accepted_lengths
+    from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
 
     if lengths is None:
         lengths = [accepted_lengths(r.rows, trees) for r in rollouts]

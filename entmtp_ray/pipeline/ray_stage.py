@@ -20,9 +20,9 @@ import pyarrow.dataset as pads
 import ray
 from ray.data import ActorPoolStrategy, DataContext, SaveMode
 
-from .config import DecodingConfig, JobConfig, ModelConfig
-from .records import output_table
-from .tasks import INTERNAL_COLUMNS
+from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
+from entmtp_ray.pipeline.records import output_table
+from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class GenerateActor:
     def __init__(self, model_cfg: dict, decoding: dict, threads: int):
         import torch
 
-        from .engine import Engine
+        from entmtp_ray.pipeline.engine import Engine
 
         torch.set_num_threads(max(1, threads))
         self.engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding))

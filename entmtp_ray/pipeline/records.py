@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from .decoding import GenerationResult
+from entmtp_ray.decode.loop import GenerationResult
 
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()),

@@ -12,13 +12,14 @@ import gzip
 import hashlib
 import json
 import os
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv
 import pyarrow.parquet as pq
+
+from entmtp_ray.assets import asset
 
 INTERNAL_COLUMNS = ("id", "prompt", "_messages", "_input_error")
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in one "
@@ -47,7 +48,7 @@ def _rows_table(ids, prompts, source: pa.Table | None, messages=None, reserved=(
     if len(set(columns["id"].to_pylist())) != len(table):
         raise ValueError("ids are not unique; pick a unique --id-column or drop it to get generated ids")
     if source is not None:
-        from .records import OUTPUT_COLUMNS
+        from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
         taken = set(OUTPUT_COLUMNS) | set(INTERNAL_COLUMNS)
         for name in source.column_names:
             if name in reserved:
@@ -269,14 +270,14 @@ TASKS = {"gsm8k", "humaneval", "sharegpt"}
 # so the split is stable whatever sample or order a run takes.
 SUBSETS = ("all", "tune", "eval")
 EVAL_BUCKETS = 10
-HUMANEVAL_SPLIT = "humaneval_calibration.json"  # package data (entmtp_ray/data/): the 84 calibration ids
+HUMANEVAL_SPLIT = "humaneval_calibration.json"  # package data (entmtp_ray/assets/): the 84 calibration ids
 
 
 def humaneval_tune_ids() -> set[str]:
     """The HumanEval task ids heads and banks may be fitted to; ENTMTP_HUMANEVAL_SPLIT names another file."""
     override = os.environ.get("ENTMTP_HUMANEVAL_SPLIT")
     if override is None:
-        return set(json.loads(resources.files("entmtp_ray.data").joinpath(HUMANEVAL_SPLIT).read_text())["task_ids"])
+        return set(json.loads(asset(HUMANEVAL_SPLIT).read_text())["task_ids"])
     if not Path(override).is_file():
         raise ValueError(f"ENTMTP_HUMANEVAL_SPLIT={override}: no such file; point it at a JSON file with a "
                          "'task_ids' list, or unset it for the split shipped with the package")

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
 
+from entmtp_ray.assets import asset
+
 Path_ = tuple[int, ...]
 
-# Trees shipped with the package (entmtp_ray/trees/*.json, sources named inside each file).
+# Trees shipped with the package (entmtp_ray/assets/trees/*.json, sources named inside each file).
 BUILTIN_TREE_FILES = {"hydra": "hydra.json", "medusa": "medusa.json"}
 
 
@@ -102,7 +103,7 @@ def load_topology(spec: str | Topology, max_depth: int | None = None) -> Topolog
     if spec.startswith("chain") and spec[5:].isdigit():
         return make_topology(chain_topology(int(spec[5:])).paths, spec, max_depth)
     if spec in BUILTIN_TREE_FILES:
-        text = resources.files("entmtp_ray.trees").joinpath(BUILTIN_TREE_FILES[spec]).read_text()
+        text = asset("trees", BUILTIN_TREE_FILES[spec]).read_text()
         return make_topology(json.loads(text)["paths"], spec, max_depth)
     path = Path(spec)
     if not path.is_file():

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
 
-from .heads import HydraHeads, save_heads
-from .llama import rotary
-from .loading import LoadedModel
+from entmtp_ray.model.heads import HydraHeads, save_heads
+from entmtp_ray.model.llama import rotary
+from entmtp_ray.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -80,7 +80,7 @@ def chat_sequence(loaded: LoadedModel, turns: list[dict], max_len: int) -> Seque
 def sharegpt_conversations(limit: int, subset: str = "tune") -> Iterator[list[dict]]:
     """The first `limit` ShareGPT conversations of `subset` ('tune' or 'eval', see tasks.select_subset)
     as [{role, content}] turns, starting with a user turn."""
-    from .tasks import is_eval_row, iter_sharegpt
+    from entmtp_ray.pipeline.tasks import is_eval_row, iter_sharegpt
 
     roles = {"human": "user", "gpt": "assistant"}
     seen = 0

@@ -79,7 +79,7 @@ def _load_run(path: Path) -> pa.Table:
     missing = [name for name in REQUIRED if name not in schema.names]
     if missing:
         raise ValueError(f"{path}: columns {missing} missing; expected the output schema of "
-                         "entmtp_ray/records.py (jobs/generate.py or the benchmark writes it)")
+                         "entmtp_ray/pipeline/records.py (jobs/generate.py or the benchmark writes it)")
     columns = [name for name in REQUIRED + OPTIONAL if name in schema.names]
     return pads.dataset([str(file) for file in files], schema=schema, format="parquet").to_table(columns=columns)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
+from entmtp_ray.assets import shipped_heads
+from entmtp_ray.model.heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHAT_FORMATS = ("auto", "template", "vicuna_v1.1", "raw")
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
                  "The assistant gives helpful, detailed, and polite answers to the user's questions.")
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -200,8 +200,8 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
 
 
 def default_heads_path(model_name: str) -> Path | None:
-    """Heads shipped in the repo for a model, if any (heads/<model>/)."""
-    candidate = PROJECT_ROOT / "heads" / Path(model_name).name
+    """Heads shipped with the package for a model, if any (assets/heads/<model>/)."""
+    candidate = shipped_heads(model_name)
     return candidate if (candidate / "heads_config.json").is_file() else None
 
 

@@ -20,8 +20,8 @@ from pydantic import BaseModel, Field
 from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-from .kv_cache import KVCache
-from .llama import (
+from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.llama import (
     LayerPlan,
     Projection,
     attention_mask,

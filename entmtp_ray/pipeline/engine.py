@@ -11,10 +11,10 @@ import logging
 import time
 from pathlib import Path
 
-from .banks import Bank, current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
-from .config import DecodingConfig, ModelConfig
-from .decoding import GenerationResult, HydraDrafter, SpecDecoder, row_generator
-from .loading import (
+from entmtp_ray.calibrate.bank import Bank, current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
+from entmtp_ray.config import DecodingConfig, ModelConfig
+from entmtp_ray.decode.loop import GenerationResult, HydraDrafter, SpecDecoder, row_generator
+from entmtp_ray.model.loading import (
     UNTRAINED_HEADS,
     LoadedModel,
     available_depth,
@@ -23,9 +23,9 @@ from .loading import (
     load_model_heads,
     resolve_heads_path,
 )
-from .policy import BANK_POLICIES, Policy, make_policy
-from .records import error_row, result_row
-from .tree import load_topology, make_topology
+from entmtp_ray.decode.policy import BANK_POLICIES, Policy, make_policy
+from entmtp_ray.pipeline.records import error_row, result_row
+from entmtp_ray.decode.tree import load_topology, make_topology
 
 log = logging.getLogger(__name__)
 
