@@ -1,53 +1,14 @@
 """Batch generation job: prompts -> Ray Data actor pool -> Parquet.
 
-    python jobs/generate.py --task humaneval --limit 8 --output runs/humaneval
-    ray job submit --working-dir . -- python jobs/generate.py --task gsm8k --address auto --output /data/gsm8k
+The same job as the console script `entmtp-generate` (entmtp_ray/jobs/generate.py); this file serves
+`ray job submit --working-dir . -- python jobs/generate.py` and checkouts without an install."""
 
-Config errors exit with status 2 before Ray starts; the last stdout line is a JSON summary.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout or a job's working dir
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout (or job working dir) first
 
-from pydantic import ValidationError  # noqa: E402
-
-from entmtp_ray.cli import (add_decoding_args, add_job_args, add_model_args, configs_from_args,  # noqa: E402
-                            job_config_from_args, quiet_logging)
-from entmtp_ray.pipeline.engine import preflight  # noqa: E402
-from entmtp_ray.pipeline.ray_stage import check_output, run_pipeline, shutdown  # noqa: E402
-from entmtp_ray.pipeline.tasks import load_prompts  # noqa: E402
-
-
-def main(argv=None) -> int:
-    started = time.time()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_job_args(parser)
-    add_model_args(parser)
-    add_decoding_args(parser, task_flag=False)
-    args = parser.parse_args(argv)
-    quiet_logging()
-    try:
-        job = job_config_from_args(args)
-        model_cfg, decoding = configs_from_args(args)
-        preflight(model_cfg, decoding)
-        check_output(job.output, job.resume)
-        table = load_prompts(job.task, job.dataset, job.split, job.prompt_column, job.id_column,
-                             job.messages_column, job.limit, job.seed)
-    except (ValueError, ValidationError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    summary = run_pipeline(table, job, model_cfg, decoding, started)
-    shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
-    print(json.dumps(summary), flush=True)
-    return 0
-
+from entmtp_ray.jobs.generate import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,32 +1,14 @@
 """Print a generation run's Parquet output as a short table, and how to read it yourself.
 
-    python jobs/show.py runs/demo-humaneval
-"""
-
-from __future__ import annotations
+The same job as the console script `entmtp-show` (entmtp_ray/jobs/show.py); this file serves
+`ray job submit --working-dir . -- python jobs/show.py` and checkouts without an install."""
 
 import sys
+from pathlib import Path
 
-import pandas as pd
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout (or job working dir) first
 
-COLUMNS = ["id", "num_output_tokens", "finish_reason", "mean_accepted_length", "tokens_per_s", "error"]
-
-
-def main() -> int:
-    if len(sys.argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    path = sys.argv[1]
-    frame = pd.read_parquet(path)
-    frame["error"] = frame["error"].fillna("-")
-    with pd.option_context("display.width", 160, "display.max_colwidth", 60):
-        print(frame[COLUMNS].sort_values("id").to_string(index=False))
-        print(f"\nfirst output ({frame.iloc[0]['id']}):\n{frame.iloc[0]['output_text']}\n")
-    print(f"{len(frame)} rows, {len(frame.columns)} columns in {path}. Read them with:\n"
-          f"  pandas.read_parquet('{path}')\n"
-          f"  ray.data.read_parquet('{path}')")
-    return 0
-
+from entmtp_ray.jobs.show import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

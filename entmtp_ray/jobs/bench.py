@@ -1,0 +1,162 @@
+"""Side-by-side benchmark: AR, transformers generate and prompt lookup, Hydra, Medusa and the EntMTP policies.
+
+    python jobs/bench.py --task gsm8k --limit 8 --max-new-tokens 128 --output runs/bench-gsm8k
+
+Takes jobs/generate.py's input flags (`--task` alone benchmarks the task's held-out `eval` prompts,
+which neither the heads nor the bank saw). One process: every system decodes each prompt back to
+back in a rotating order after one untimed warm-up, at T=0 (greedy) and T=0.7 (typical and exact
+acceptance; AR and transformers sample plainly). Writes the per-row Parquet to OUTPUT/rows and the
+report (report.md, report.json, plots) to OUTPUT. Lossless checks: at T=0 each system's tokens against
+AR's (a difference passes only as a float tie at its first token), at every T the output's
+negative log-likelihood under the base model. Exits 1 if a greedy output differs from AR's.
+llama.cpp joins when `llama-cpp-python` is installed (`pip install -e .[llamacpp]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+
+import pyarrow.parquet as pq
+import torch
+from pydantic import ValidationError
+
+from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
+from entmtp_ray.bench.compare import BASELINES, POLICIES, SYSTEMS, Bench, Prompt, bench_table, weight_read_seconds
+from entmtp_ray.cli import add_input_args, add_model_args, model_config_from_args, quiet_logging
+from entmtp_ray.config import DecodingConfig
+from entmtp_ray.pipeline.engine import encode_checked
+from entmtp_ray.model.loading import (
+    EMBEDDED_MODEL,
+    available_depth,
+    draft_vocab_for,
+    load_model,
+    load_model_heads,
+    resolve_heads_path,
+)
+from entmtp_ray.decode.policy import BANK_POLICIES
+from entmtp_ray.bench.report import throughput_tables, write_report
+from entmtp_ray.pipeline.tasks import load_prompts
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_input_args(p)
+    p.set_defaults(limit=8)
+    p.add_argument("--seed", type=int, default=123, help="prompt sample and sampling seed")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-input-tokens", type=int, default=1400)
+    p.add_argument("--subset", default=None, choices=["all", "tune", "eval"],
+                   help="rows of a task (default: eval, the prompts no bank or head saw; all for --dataset)")
+    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
+                   help="default: all that apply (entmtp-* need a bank, llama-cpp its package and the embedded model)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--acceptances", nargs="+", default=["typical", "exact"], choices=["typical", "exact"],
+                   help="acceptance rules of the drafting policies at T>0 (AR and the baselines sample plainly)")
+    p.add_argument("--bank", default=None, help="bank file (default: banks/<model>/<task>.json)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the bank's)")
+    p.add_argument("--output", required=True, help="directory for rows/ (Parquet) and the report")
+    add_model_args(p)
+    return p, p.parse_args(argv)
+
+
+def choose_systems(requested, model: str, bank_path: Path | None) -> list[str]:
+    if requested is None:
+        systems = [s for s in SYSTEMS if s not in BANK_POLICIES or bank_path is not None]
+        if importlib.util.find_spec("llama_cpp") is None or model != EMBEDDED_MODEL:
+            systems.remove("llama-cpp")
+    else:
+        systems = list(dict.fromkeys(requested))
+        if "llama-cpp" in systems and model != EMBEDDED_MODEL:
+            raise ValueError(f"--systems llama-cpp runs the embedded model's GGUF only; drop it for --model {model}")
+        if "llama-cpp" in systems and importlib.util.find_spec("llama_cpp") is None:
+            raise ValueError("--systems llama-cpp needs llama-cpp-python: pip install -e .[llamacpp]")
+    if "ar" not in systems:
+        systems.insert(0, "ar")  # the reference of every speedup and greedy check
+    return systems
+
+
+def main(argv=None) -> int:
+    parser, args = parse(argv)
+    quiet_logging()
+    try:
+        model_cfg = model_config_from_args(args)
+        wants_bank = args.systems is None or any(s in BANK_POLICIES for s in args.systems)
+        bank_path = bank = None
+        if wants_bank and (args.task or args.bank):
+            bank_path = resolve_bank_path(model_cfg.model, args.task, args.bank)
+            bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
+        elif args.systems is not None and wants_bank:
+            raise ValueError("the entmtp-* systems need a topology bank: pass --task or --bank")
+        systems = choose_systems(args.systems, model_cfg.model, bank_path)
+        drafts = any(s in POLICIES and s != "ar" for s in systems)
+        vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab) if drafts else None
+        subset = args.subset or ("eval" if args.task else "all")
+        table = load_prompts(args.task, args.dataset, args.split, args.prompt_column, args.id_column,
+                             args.messages_column, args.limit, args.seed, subset)
+        DecodingConfig(max_new_tokens=args.max_new_tokens, max_input_tokens=args.max_input_tokens)
+        if any(t < 0 for t in args.temperatures):
+            raise ValueError(f"--temperatures must be >= 0, got {args.temperatures}")
+    except (ValueError, ValidationError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    threads = args.threads or (bank.hardware.threads if bank is not None else torch.get_num_threads())
+    torch.set_num_threads(threads)
+    loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
+    if bank is not None:
+        warn_if_other_hardware(bank, current_hardware(loaded.device, loaded.dtype), bank_path)
+    heads = load_model_heads(loaded, model_cfg.heads) if drafts else None
+    heads_label = str(resolve_heads_path(model_cfg.model, model_cfg.heads)) if drafts else None
+    bench = Bench(loaded, systems, args.task, bank, heads, vocab, model_cfg.model, heads_label,
+                  str(bank_path) if bank_path else None, threads, args.seed)
+    prompts = []
+    for row in table.select(["id", "prompt", "_messages", "_input_error"]).to_pylist():
+        ids, error = None, row["_input_error"]
+        if not error:
+            try:
+                ids = encode_checked(loaded, json.loads(row["_messages"]) if row["_messages"] else row["prompt"],
+                                     args.max_input_tokens)
+            except ValueError as exc:  # a bad row becomes an error row of every system
+                error = str(exc)
+        prompts.append(Prompt(row["id"], row["prompt"], ids, error))
+
+    weight_bytes, floor_s = weight_read_seconds(loaded)
+    started = time.time()
+    rows = bench.run(prompts, args.temperatures, args.max_new_tokens, args.seed, tuple(args.acceptances))
+    output = Path(args.output)
+    (output / "rows").mkdir(parents=True, exist_ok=True)
+    pq.write_table(bench_table(rows), output / "rows" / "part-0.parquet")
+
+    ar_greedy = [r for r in rows if r["policy"] == "ar" and r["temperature"] == 0 and r["error"] is None]
+    ar_steps = sum(r["steps"] for r in ar_greedy)
+    setup = {"machine": current_hardware(loaded.device, loaded.dtype).machine, "device": str(loaded.device),
+             "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads,
+             "draft vocabulary": len(vocab) if vocab else "full", "weights MB": round(weight_bytes / 1e6),
+             "weights read once (ms)": round(1e3 * floor_s, 2),
+             "read GB/s": round(weight_bytes / floor_s / 1e9, 1)}
+    if ar_steps:
+        ar_step = sum(r["decode_s"] for r in ar_greedy) / ar_steps
+        setup["AR step (ms)"] = round(1e3 * ar_step, 2)
+        setup["AR step / weight read"] = round(ar_step / floor_s, 2)
+    report = write_report([output / "rows"], output, setup)
+    print(throughput_tables(report), flush=True)
+    differs = sorted({(r["id"], r["policy"]) for r in rows if r["matches_ar"] == "differs"})
+    ties = sorted({(r["id"], r["policy"]) for r in rows if r["matches_ar"] == "tie"})
+    if ties:
+        print(f"greedy outputs that leave AR's at a float tie: {ties}", file=sys.stderr)
+    if differs:
+        print(f"error: greedy output differs from AR's (not a float tie): {differs}", file=sys.stderr)
+    print(json.dumps({"output": str(output.resolve()), "report": str((output / "report.md").resolve()),
+                      "systems": systems, "prompts": len(prompts), "rows": len(rows), "ties": len(ties),
+                      "differs": len(differs), "seconds": round(time.time() - started, 1)}), flush=True)
+    return 1 if differs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Batch generation job: prompts -> Ray Data actor pool -> Parquet.
+
+    python jobs/generate.py --task humaneval --limit 8 --output runs/humaneval
+    ray job submit --working-dir . -- python jobs/generate.py --task gsm8k --address auto --output /data/gsm8k
+
+Config errors exit with status 2 before Ray starts; the last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+from pydantic import ValidationError
+
+from entmtp_ray.cli import (add_decoding_args, add_job_args, add_model_args, configs_from_args,
+                            job_config_from_args, quiet_logging)
+from entmtp_ray.pipeline.engine import preflight
+from entmtp_ray.pipeline.ray_stage import check_output, run_pipeline, shutdown
+from entmtp_ray.pipeline.tasks import load_prompts
+
+
+def main(argv=None) -> int:
+    started = time.time()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_job_args(parser)
+    add_model_args(parser)
+    add_decoding_args(parser, task_flag=False)
+    args = parser.parse_args(argv)
+    quiet_logging()
+    try:
+        job = job_config_from_args(args)
+        model_cfg, decoding = configs_from_args(args)
+        preflight(model_cfg, decoding)
+        check_output(job.output, job.resume)
+        table = load_prompts(job.task, job.dataset, job.split, job.prompt_column, job.id_column,
+                             job.messages_column, job.limit, job.seed)
+    except (ValueError, ValidationError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summary = run_pipeline(table, job, model_cfg, decoding, started)
+    shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Print a generation run's Parquet output as a short table, and how to read it yourself.
+
+    python jobs/show.py runs/demo-humaneval
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+
+COLUMNS = ["id", "num_output_tokens", "finish_reason", "mean_accepted_length", "tokens_per_s", "error"]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    path = argv[0]
+    frame = pd.read_parquet(path)
+    frame["error"] = frame["error"].fillna("-")
+    with pd.option_context("display.width", 160, "display.max_colwidth", 60):
+        print(frame[COLUMNS].sort_values("id").to_string(index=False))
+        print(f"\nfirst output ({frame.iloc[0]['id']}):\n{frame.iloc[0]['output_text']}\n")
+    print(f"{len(frame)} rows, {len(frame.columns)} columns in {path}. Read them with:\n"
+          f"  pandas.read_parquet('{path}')\n"
+          f"  ray.data.read_parquet('{path}')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Train Hydra++ heads for a base model (base frozen, soft cross-entropy against its own
+next-token distribution, assistant tokens only). CPU or GPU; checkpoints and --resume.
+
+    python jobs/train_heads.py --out heads/smollm2-135m-instruct --sharegpt 4000 \\
+        --self-distill runs/distill-gsm8k runs/distill-sharegpt --max-minutes 80
+
+--self-distill takes output directories of jobs/generate.py (the base model's own replies to
+training prompts). The last stdout line is a JSON summary; a model card is written beside the heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+
+import torch
+
+from entmtp_ray.cli import quiet_logging
+from entmtp_ray.model.heads import init_heads
+from entmtp_ray.model.loading import EMBEDDED_MODEL, load_model, machine_name
+from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, evaluate,
+                                 generated_conversations, sharegpt_conversations, train)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=EMBEDDED_MODEL)
+    p.add_argument("--dtype", default="bf16", help="dtype of the frozen base model while training (bf16: the "
+                   "teacher and hidden states at half the cost on CPU; heads train in fp32 under --bf16 autocast)")
+    p.add_argument("--out", required=True, help="directory for the heads, checkpoints and model card")
+    p.add_argument("--sharegpt", type=int, default=2000, help="ShareGPT conversations to train on")
+    p.add_argument("--self-distill", nargs="*", default=[], help="jobs/generate.py output directories")
+    p.add_argument("--distill-repeat", type=int, default=1, help="times each self-distillation reply is in the "
+                   "data (weighs the tasks' own text against ShareGPT)")
+    p.add_argument("--save-dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="dtype of the saved heads (bf16 halves the file; loading casts back)")
+    p.add_argument("--heldout", type=int, default=100, help="held-out ShareGPT conversations (eval subset) for the per-head accuracy")
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--own-lm-heads", action="store_true", help="one vocab projection per head (large) instead "
+                   "of sharing the base lm_head")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    for name, field in TrainConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.description)
+        else:
+            kind = float if "float" in str(field.annotation) else int
+            p.add_argument(flag, type=kind, default=field.default, help=field.description)
+    args = p.parse_args(argv)
+    quiet_logging()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.model_fields})
+    started = time.time()
+
+    loaded = load_model(args.model, dtype=args.dtype)
+    conversations = list(sharegpt_conversations(args.sharegpt)) + args.distill_repeat * list(
+        generated_conversations(args.self_distill))
+    random.Random(cfg.seed).shuffle(conversations)
+    training = [s for s in (chat_sequence(loaded, c, cfg.max_len) for c in conversations) if s is not None]
+    # held-out text: ShareGPT conversations of the eval subset, which no training or calibration sees
+    heldout = [s for s in (chat_sequence(loaded, c, cfg.max_len) for c in sharegpt_conversations(args.heldout, "eval"))
+               if s is not None]
+    print(f"{len(training)} training sequences ({sum(sum(s.target_mask) for s in training)} target tokens), "
+          f"{len(heldout)} held out; {time.time() - started:.0f}s to prepare", file=sys.stderr)
+
+    out = Path(args.out)
+    heads = init_heads(loaded.model, args.num_heads, args.num_layers, shared_lm_head=not args.own_lm_heads,
+                       seed=cfg.seed, base_name=args.model)  # with --resume, train() loads the checkpoint over it
+    heads.to(loaded.device)
+    pad_id = loaded.tokenizer.pad_token_id or 0
+    state = train(heads, loaded.model, training, cfg, out, pad_id, resume=args.resume,
+                  save_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype])
+    scores = evaluate(heads, loaded.model, heldout, cfg.batch_tokens, pad_id)
+    card = {
+        "base_model": args.model,
+        "data": {"sharegpt_conversations": args.sharegpt, "self_distill": args.self_distill,
+                 "distill_repeat": args.distill_repeat,
+                 "training_sequences": len(training), "heldout_sequences": len(heldout)},
+        "target_tokens_seen": state["tokens"],
+        "steps": state["step"],
+        "train_seconds": state["seconds"],
+        "base_dtype": args.dtype,
+        "hardware": {"device": str(loaded.device), "threads": torch.get_num_threads(),
+                     "cpu": machine_name()},
+        "config": cfg.model_dump(),
+        "heldout_top1_per_head": scores["top1"],
+        "heldout_loss_per_head": scores["loss"],
+    }
+    (out / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
