@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,11 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from entmtp_ray.assets import shipped_bank
+from entmtp_ray.jobs import bench as bench_job
+from entmtp_ray.jobs import bench_engine
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = importlib.util.spec_from_file_location("bench_job", ROOT / "jobs" / "bench.py")
-bench_job = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(bench_job)
 
 
 @pytest.mark.slow
@@ -75,9 +73,6 @@ def test_bench_config_errors_fail_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-ENGINE_SPEC = importlib.util.spec_from_file_location("bench_engine_job", ROOT / "jobs" / "bench_engine.py")
-bench_engine = importlib.util.module_from_spec(ENGINE_SPEC)
-ENGINE_SPEC.loader.exec_module(bench_engine)
 
 
 def test_engine_step_breakdown_times_every_part_of_a_tree_step():

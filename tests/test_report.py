@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from entmtp_ray.pipeline.records import OUTPUT_SCHEMA
 from entmtp_ray.bench.report import load_runs, summarize
+from entmtp_ray.jobs.report import main
+from entmtp_ray.pipeline.records import OUTPUT_SCHEMA
 
-_spec = importlib.util.spec_from_file_location("report_job", Path(__file__).parents[1] / "jobs" / "report.py")
-report_job = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(report_job)  # jobs/ is scripts, not a package
-main = report_job.main
 
 # Run 1 (a benchmark at T=0, task gsm8k, with output_nll and an extra input column):
 #   ar           a: 10 tok / 1 s, b: 30 tok / 1 s, c: 20 tok / 2 s  -> 60 / 4 = 15 tok/s (row mean 16.7)

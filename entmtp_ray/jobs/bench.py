@@ -27,7 +27,7 @@ import torch
 from pydantic import ValidationError
 
 from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
-from entmtp_ray.bench.compare import BASELINES, POLICIES, SYSTEMS, Bench, Prompt, bench_table, weight_read_seconds
+from entmtp_ray.bench.compare import POLICIES, SYSTEMS, Bench, Prompt, bench_table, weight_read_seconds
 from entmtp_ray.cli import add_input_args, add_model_args, model_config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.pipeline.engine import encode_checked

@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 
 from pydantic import ValidationError
