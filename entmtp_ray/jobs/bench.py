@@ -28,11 +28,10 @@ from pydantic import ValidationError
 
 from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
 from entmtp_ray.bench.compare import POLICIES, SYSTEMS, Bench, Prompt, bench_table, weight_read_seconds
-from entmtp_ray.cli import add_input_args, add_model_args, model_config_from_args, quiet_logging
-from entmtp_ray.config import DecodingConfig
+from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
+from entmtp_ray.config import EMBEDDED_MODEL, DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.pipeline.engine import encode_checked
 from entmtp_ray.model.loading import (
-    EMBEDDED_MODEL,
     available_depth,
     draft_vocab_for,
     load_model,
@@ -46,11 +45,9 @@ from entmtp_ray.pipeline.tasks import load_prompts
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_input_args(p)
-    p.set_defaults(limit=8)
-    p.add_argument("--seed", type=int, default=123, help="prompt sample and sampling seed")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-input-tokens", type=int, default=1400)
+    add_config_args(p, InputConfig, defaults={"limit": 8})
+    add_config_args(p, DecodingConfig, only=("task", "bank", "seed", "max_new_tokens", "max_input_tokens"),
+                    defaults={"max_new_tokens": 128})
     p.add_argument("--subset", default=None, choices=["all", "tune", "eval"],
                    help="rows of a task (default: eval, the prompts no bank or head saw; all for --dataset)")
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
@@ -58,10 +55,9 @@ def parse(argv):
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--acceptances", nargs="+", default=["typical", "exact"], choices=["typical", "exact"],
                    help="acceptance rules of the drafting policies at T>0 (AR and the baselines sample plainly)")
-    p.add_argument("--bank", default=None, help="bank file (default: banks/<model>/<task>.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the bank's)")
     p.add_argument("--output", required=True, help="directory for rows/ (Parquet) and the report")
-    add_model_args(p)
+    add_config_args(p, ModelConfig)
     return p, p.parse_args(argv)
 
 
@@ -85,7 +81,7 @@ def main(argv=None) -> int:
     parser, args = parse(argv)
     quiet_logging()
     try:
-        model_cfg = model_config_from_args(args)
+        model_cfg = config_from_args(ModelConfig, args)
         wants_bank = args.systems is None or any(s in BANK_POLICIES for s in args.systems)
         bank_path = bank = None
         if wants_bank and (args.task or args.bank):

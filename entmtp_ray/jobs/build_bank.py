@@ -34,7 +34,7 @@ import torch
 from entmtp_ray.calibrate.bank import (Bank, BankTree, candidate_trees, choose_policies, current_hardware,
                               replay_all, save_bank)
 from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout
-from entmtp_ray.cli import add_model_args, model_config_from_args, quiet_logging
+from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
 from entmtp_ray.decode.loop import SpecDecoder, row_generator
 from entmtp_ray.pipeline.engine import Engine
@@ -52,7 +52,7 @@ def rollouts(args, model_cfg: ModelConfig, table, work: Path) -> Path:
 
     out = work / "rollouts"
     check_output(str(out), resume=True)
-    job = JobConfig(task=args.task, dataset=args.dataset, output=str(out), resume=True,
+    job = JobConfig(output=str(out), resume=True,
                     min_actors=1, max_actors=args.max_actors, cpus_per_actor=args.threads, address=args.address)
     decoding = DecodingConfig(policy=args.rollout_policy, max_new_tokens=args.max_new_tokens)
     summary = run_pipeline(table, job, model_cfg, decoding)
@@ -146,13 +146,13 @@ def main(argv=None) -> int:
                    "hydra on a GPU)")
     p.add_argument("--rollouts-only", action="store_true", help="stop after the rollouts (e.g. to run every "
                    "task's rollouts on the cluster first, then time the trees on a quiet machine)")
-    add_model_args(p)
+    add_config_args(p, ModelConfig)
     args = p.parse_args(argv)
     quiet_logging()
     started = time.time()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model_cfg = model_config_from_args(args)
+    model_cfg = config_from_args(ModelConfig, args)
     table = load_prompts(args.task, args.dataset, split=args.split, limit=args.prompts, seed=args.seed, subset="tune")
     rollout_dir = rollouts(args, model_cfg, table, work)
     if args.rollouts_only:

@@ -16,7 +16,8 @@ import time
 import torch
 
 from entmtp_ray.cli import quiet_logging
-from entmtp_ray.model.loading import EMBEDDED_MODEL, load_model
+from entmtp_ray.config import EMBEDDED_MODEL
+from entmtp_ray.model.loading import load_model
 from entmtp_ray.pipeline.tasks import TASKS, load_prompts
 from entmtp_ray.train.trainer import distill
 

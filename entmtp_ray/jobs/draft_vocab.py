@@ -19,7 +19,8 @@ from pathlib import Path
 
 
 from entmtp_ray.model.heads import save_draft_vocab
-from entmtp_ray.model.loading import EMBEDDED_MODEL, load_model
+from entmtp_ray.config import EMBEDDED_MODEL
+from entmtp_ray.model.loading import load_model
 from entmtp_ray.train.trainer import chat_sequence, generated_conversations, sharegpt_conversations
 
 

@@ -16,8 +16,8 @@ import time
 
 from pydantic import ValidationError
 
-from entmtp_ray.cli import (add_decoding_args, add_job_args, add_model_args, configs_from_args,
-                            job_config_from_args, quiet_logging)
+from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
+from entmtp_ray.config import DecodingConfig, InputConfig, JobConfig, ModelConfig
 from entmtp_ray.pipeline.engine import preflight
 from entmtp_ray.pipeline.ray_stage import check_output, run_pipeline, shutdown
 from entmtp_ray.pipeline.tasks import load_prompts
@@ -26,18 +26,17 @@ from entmtp_ray.pipeline.tasks import load_prompts
 def main(argv=None) -> int:
     started = time.time()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_job_args(parser)
-    add_model_args(parser)
-    add_decoding_args(parser, task_flag=False)
+    for config in (InputConfig, JobConfig, ModelConfig, DecodingConfig):
+        add_config_args(parser, config)
     args = parser.parse_args(argv)
     quiet_logging()
     try:
-        job = job_config_from_args(args)
-        model_cfg, decoding = configs_from_args(args)
+        source, job = config_from_args(InputConfig, args), config_from_args(JobConfig, args)
+        model_cfg, decoding = config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args)
         preflight(model_cfg, decoding)
         check_output(job.output, job.resume)
-        table = load_prompts(job.task, job.dataset, job.split, job.prompt_column, job.id_column,
-                             job.messages_column, job.limit, job.seed)
+        table = load_prompts(decoding.task, source.dataset, source.split, source.prompt_column, source.id_column,
+                             source.messages_column, source.limit, decoding.seed)
     except (ValueError, ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

