@@ -90,7 +90,7 @@ def test_bank_consistency_checks_name_what_is_wrong(tmp_path):
 
 def test_bank_policies_by_name_and_signal_flag():
     from entmtp_ray.config import DecodingConfig
-    from entmtp_ray.decode.policy import make_policy
+    from entmtp_ray.pipeline.assemble import policy_for as make_policy
 
     bank = make_bank()
     star = make_policy(DecodingConfig(policy="entmtp-star"), bank)
@@ -102,7 +102,7 @@ def test_bank_policies_by_name_and_signal_flag():
     with pytest.raises(ValueError, match="no settings for signal 'path'"):
         make_policy(DecodingConfig(policy="entmtp-tau", signal="path"), bank)
     with pytest.raises(ValueError, match="needs a topology bank"):
-        make_policy(DecodingConfig(policy="entmtp-tau"))
+        make_policy(DecodingConfig(policy="entmtp-tau"), None)
 
 
 @pytest.mark.parametrize("policy", ["entmtp-star", "entmtp-ladder", "entmtp-tau"])
@@ -136,7 +136,7 @@ def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path,
 
 def test_bank_policy_without_task_or_bank_fails_before_loading():
     from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.pipeline.engine import preflight
+    from entmtp_ray.pipeline.assemble import plan as preflight
 
     with pytest.raises(ValueError, match="pass --task NAME"):
         preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau"))

@@ -75,26 +75,25 @@ def test_bench_config_errors_fail_before_any_work(tmp_path, capsys):
 
 
 
-def test_engine_step_breakdown_times_every_part_of_a_tree_step():
+def test_engine_step_breakdown_times_every_phase_of_a_tree_step():
     """jobs/bench_engine.py's per-step breakdown on the embedded model with its shipped heads and a bank
-    tree: each part is timed, the parts fit inside the step, and the decoder's functions come back."""
-    from entmtp_ray.decode import loop as decoding
+    tree, from the decoder's own profile: every phase is timed, and the phases fill the step."""
     from entmtp_ray.calibrate.bank import load_bank
-    from entmtp_ray.decode.loop import HydraDrafter
-    from entmtp_ray.model.loading import draft_vocab_for, load_model, load_model_heads
+    from entmtp_ray.config import ModelConfig
+    from entmtp_ray.decode.loop import PHASES
+    from entmtp_ray.decode.tree import load_topology
+    from entmtp_ray.pipeline.assemble import load_stack
 
-    loaded = load_model("smollm2-135m-instruct", dtype="bf16", device="cpu")
-    heads = load_model_heads(loaded, None)
-    vocab = draft_vocab_for("smollm2-135m-instruct", None, None)
+    stack = load_stack(ModelConfig(dtype="bf16", device="cpu"), with_heads=True)
     bank = load_bank(shipped_bank("smollm2-135m-instruct", "gsm8k"))
-    prompts = [loaded.encode_prompt("What is 12 times 7? Answer briefly.")]
-    before = decoding.forward_hidden, decoding.prepare, HydraDrafter.draft, HydraDrafter.advance
-    parts = bench_engine.step_breakdown(loaded, heads, vocab, prompts, 12, bank.policy.star,
-                                        bank.topology(bank.policy.star))
-    assert (decoding.forward_hidden, decoding.prepare, HydraDrafter.draft, HydraDrafter.advance) == before
-    assert {"base_forward", "lm_head", "draft", "advance"} <= parts.keys()
-    timed = parts["base_forward"] + parts["lm_head"] + parts["draft"] + parts["advance"]
-    assert all(parts[k] > 0 for k in ("base_forward", "lm_head", "draft", "advance"))
-    assert timed < parts["step_total"] and parts["outside_base_forward"] > parts["draft"]
-    ar = bench_engine.step_breakdown(loaded, heads, vocab, prompts, 12, "ar", "ar")
-    assert "draft" not in ar and ar["base_forward"] > 0
+    prompts = [stack.loaded.encode_prompt("What is 12 times 7? Answer briefly.")]
+    star = bank.topology(bank.policy.star)
+    assert star.depth > 0
+    parts = bench_engine.step_breakdown(stack.loaded, stack.drafter, prompts, 12, star)
+    assert set(parts) == {*PHASES, "step_total"}
+    assert all(parts[phase] > 0 for phase in PHASES)
+    phases = sum(parts[phase] for phase in PHASES)
+    assert 0.9 * parts["step_total"] < phases <= parts["step_total"]
+    assert parts["verify"] > parts["choose"] and parts["verify"] > parts["observe"]
+    ar = bench_engine.step_breakdown(stack.loaded, stack.drafter, prompts, 12, load_topology("ar"))
+    assert ar["verify"] > 0 and ar["draft"] < ar["verify"]

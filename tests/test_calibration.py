@@ -88,15 +88,16 @@ def test_table_predicts_every_steps_accepted_length_with_shipped_heads(tree):
 
 
 def test_replay_counts_steps_tokens_and_switches_by_hand():
-    from entmtp_ray.calibrate.growth import accepted_lengths, replay
+    from entmtp_ray.calibrate.growth import replay
     from entmtp_ray.decode.policy import HysteresisPolicy, make_signal
+    from entmtp_ray.decode.tree import make_topology
 
-    trees = {"one": frozenset(), "chain": frozenset({(0,), (0, 0)})}
+    one, chain = make_topology([], "one"), make_topology([(0,), (0, 0)], "chain")
     rows = [[0, 0], [0, 5], [-1], [0, 0], [0], [0]]  # a 6-token rollout (token 0 came from the prefill)
     entropy = [0.1, 0.1, 3.0, 3.0, 0.1, 0.1]
-    policy = HysteresisPolicy("entmtp-tau", "one", "chain", tau_on=0.5, tau_off=2.0,
+    policy = HysteresisPolicy("entmtp-tau", one, chain, tau_on=0.5, tau_off=2.0,
                               signal=make_signal("entropy", beta=0.0, initial=0.1), start_aggressive=True)
-    result = replay(rows, entropy, [0.9] * 6, policy, trees, {"one": 1.0, "chain": 3.0})
+    result = replay(rows, entropy, [0.9] * 6, policy, {"one": 1.0, "chain": 3.0})
     # chain at root 0 accepts 0,0 -> 3 tokens (1,2,3), saw entropies 0.1 0.1 3.0 -> conservative;
     # one at root 3 -> 1 token, saw 3.0 -> stays; one at root 4 -> the last token (its low entropy
     # turns the policy aggressive, but the rollout has ended)
@@ -113,10 +114,10 @@ def test_replay_reproduces_greedy_decoding_of_a_switching_policy():
     from entmtp_ray.decode.policy import HysteresisPolicy, make_signal
 
     base = Engine(ModelConfig(dtype="fp32", device="cpu"), DecodingConfig(policy="hydra", max_new_tokens=96))
-    policy = HysteresisPolicy("entmtp-tau", "chain3", "hydra", tau_on=0.6, tau_off=1.2,
+    trees = [load_topology(name, max_depth=4) for name in ("chain3", "hydra")]
+    policy = HysteresisPolicy("entmtp-tau", *trees, tau_on=0.6, tau_off=1.2,
                               signal=make_signal("entropy", beta=0.5, initial=1.0))
     decoder = SpecDecoder(base.loaded, base.decoder.drafter, policy)
-    trees = {name: frozenset(load_topology(name, max_depth=4).paths) for name in ("chain3", "hydra")}
     switches = 0
     for k, prompt in enumerate(["Write a haiku about autumn, then explain it.",
                                 "A farmer has 12 cows and buys 7 more. Each cow gives 3 litres of milk a day. "
@@ -125,12 +126,12 @@ def test_replay_reproduces_greedy_decoding_of_a_switching_policy():
         result = decoder.generate(ids, base.decoding)
         with torch.inference_mode():
             rollout = measure_rollout(decoder, ids + result.output_token_ids, len(ids), [10, 10, 10, 10])
-        replayed = replay(rollout.rows, rollout.entropy, rollout.top1, policy, trees, {"chain3": 1.0, "hydra": 1.0})
+        replayed = replay(rollout.rows, rollout.entropy, rollout.top1, policy, {"chain3": 1.0, "hydra": 1.0})
         assert replayed.steps == len(result.steps), k
         assert replayed.tokens == sum(s.accepted_length for s in result.steps), k
         assert dict(replayed.usage) == result.tree_usage(), k
         assert replayed.switches == result.tree_switches(), k
-        fast = replay(rollout.rows, rollout.entropy, rollout.top1, policy, trees, {"chain3": 1.0, "hydra": 1.0},
+        fast = replay(rollout.rows, rollout.entropy, rollout.top1, policy, {"chain3": 1.0, "hydra": 1.0},
                       lengths=accepted_lengths(rollout.rows, trees))
         assert (fast.steps, fast.tokens, fast.usage, fast.switches) == (
             replayed.steps, replayed.tokens, replayed.usage, replayed.switches), k

@@ -17,7 +17,7 @@ from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
-from entmtp_ray.decode.tree import chain_topology, make_topology
+from entmtp_ray.decode.tree import chain_topology, load_topology, make_topology
 from oracle import OracleDrafter
 
 PROMPT = [3, 14, 15, 92, 65, 35]
@@ -30,7 +30,7 @@ def tree_of(name: str):
     """The test trees, built when a test runs (a broken tree module fails tests, not their import)."""
     if name == "branchy":
         return make_topology(BRANCHY_PATHS, "branchy")
-    return chain_topology(int(name[5:])) if name.startswith("chain") else name
+    return chain_topology(int(name[5:])) if name.startswith("chain") else load_topology(name)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def reference(loaded) -> list[int]:
     with torch.inference_mode():
         want = loaded.model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=MAX_NEW,
                                      pad_token_id=0, eos_token_id=None)[0, len(PROMPT):].tolist()
-    ar = SpecDecoder(loaded, None, FixedTree("ar", "ar")).generate(PROMPT, DecodingConfig(policy="ar",
+    ar = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar"))).generate(PROMPT, DecodingConfig(policy="ar",
                                                                                           max_new_tokens=MAX_NEW))
     assert ar.output_token_ids == want and ar.finish_reason == "length"
     assert all(s.accepted_length == 1 for s in ar.steps) and len(ar.steps) == MAX_NEW - 1
@@ -59,12 +59,12 @@ def forced_logits(loaded, reference) -> torch.Tensor:
         return loaded.model(torch.tensor([PROMPT + reference])).logits[0, len(PROMPT):].float()
 
 
-def decode(loaded, reference, policy, plan=None, seed=0, **cfg):
+def decode(loaded, reference, policy, plan=None, seed=0, profile=False, **cfg):
     """(decoder, result) of PROMPT through `policy` with the oracle (decoder.drafter) drafting."""
     drafter = OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size, **({"plan": plan} if plan else {}))
     decoder = SpecDecoder(loaded, drafter, policy)
     cfg = DecodingConfig(**{"policy": "fixed", "max_new_tokens": MAX_NEW, **cfg})
-    return decoder, decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed))
+    return decoder, decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed), profile=profile)
 
 
 def assert_cache_holds_the_committed_prefix(loaded, decoder, result):
@@ -155,8 +155,9 @@ def test_sampling_rules_at_temperature_zero_decode_greedily(loaded, reference, a
 
 
 def test_time_is_split_into_prefill_decode_and_scheduling(loaded, reference, monkeypatch):
-    """On a clock that ticks once per reading: the prefill is one tick, each step reads the clock
-    four times (two for choosing the tree, two around the policy's bookkeeping, both scheduling)."""
+    """On a clock that ticks once per reading: the prefill is one tick, each step reads the clock once
+    per phase after its start (choose, draft, verify, accept, commit, observe: six ticks), and the
+    scheduling time is the choose and observe phases (two ticks per step)."""
     from itertools import count
     from types import SimpleNamespace
 
@@ -167,7 +168,10 @@ def test_time_is_split_into_prefill_decode_and_scheduling(loaded, reference, mon
     _, result = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), max_new_tokens=16)
     steps = len(result.steps)
     assert steps == 3
-    assert (result.prefill_s, result.schedule_s, result.decode_s) == (1.0, 2.0 * steps, 4.0 * steps + 1)
+    assert (result.prefill_s, result.schedule_s, result.decode_s) == (1.0, 2.0 * steps, 7.0 * steps + 1)
+    assert all(s.seconds == {} for s in result.steps)  # phases are kept only when profiled
+    _, profiled = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), max_new_tokens=16, profile=True)
+    assert all(s.seconds == dict.fromkeys(decoding.PHASES, 1.0) for s in profiled.steps)
 
 
 def test_a_bank_policy_with_one_tree_traces_its_own_signal(loaded, reference, forced_logits):

@@ -30,6 +30,7 @@ from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
 from entmtp_ray.model.heads import init_heads
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import FixedTree
+from entmtp_ray.decode.tree import load_topology
 
 VOCAB, TOKENS, TEMPERATURE = 8, 3, 0.7
 SAMPLES = 3000
@@ -105,20 +106,20 @@ def test_the_reference_is_what_ar_sampling_draws(tiny, reference):
     loaded, drafter = tiny
     probs, _ = reference
     assert float(probs.sum()) == pytest.approx(1.0)
-    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("ar", "ar"), "exact"), probs) > ALPHA
+    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("ar", load_topology("ar")), "exact"), probs) > ALPHA
 
 
 @pytest.mark.slow
 def test_exact_acceptance_samples_the_base_distribution(tiny, reference):
     loaded, drafter = tiny
     probs, tree = reference
-    decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", tree))
+    decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", load_topology(tree)))
     cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, acceptance="exact", max_new_tokens=16)
     steps = [step.accepted_length for s in range(50)
              for step in decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(s)).steps]
     # the drafts must be accepted often and below the first depth, or the tree walk goes untested
     assert sum(steps) / len(steps) > 1.3 and min(steps) == 1 and max(steps) >= 3
-    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", tree), "exact"), probs) > ALPHA
+    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", load_topology(tree)), "exact"), probs) > ALPHA
 
 
 def _resample_from_p(tokens, logits, row_of_node, children, temperature, generator):
@@ -223,7 +224,7 @@ def test_the_test_rejects_a_biased_sampler(tiny, reference, monkeypatch, biased)
     loaded, drafter = tiny
     probs, tree = reference
     monkeypatch.setattr(decoding, "exact_accept", biased)
-    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", tree), "exact"), probs) < ALPHA
+    assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", load_topology(tree)), "exact"), probs) < ALPHA
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -268,7 +269,7 @@ def test_exact_at_a_tiny_temperature_accepts_what_greedy_accepts(seed):
 def test_exact_acceptance_reproduces_with_the_seed_and_varies_across_seeds(tiny, reference):
     loaded, drafter = tiny
     _, tree = reference
-    decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", tree))
+    decoder = SpecDecoder(loaded, drafter, FixedTree("fixed", load_topology(tree)))
     cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, acceptance="exact", max_new_tokens=20)
     runs = [decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(s)).output_token_ids for s in (7, 7, 8)]
     assert runs[0] == runs[1] and runs[0] != runs[2]

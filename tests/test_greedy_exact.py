@@ -26,7 +26,7 @@ from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
 from entmtp_ray.model.loading import draft_vocab_for, load_model, load_model_heads
 from entmtp_ray.decode.policy import FixedTree
-from entmtp_ray.decode.tree import make_topology
+from entmtp_ray.decode.tree import load_topology, make_topology
 from oracle import OracleDrafter
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def loaded():
 @pytest.fixture(scope="module")
 def ar_outputs(loaded):
     """Prompt index -> (prompt ids, our AR output), decoded on first use: the oracle drafts from these."""
-    decoder = SpecDecoder(loaded, None, FixedTree("ar", "ar"))
+    decoder = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))
     cfg = DecodingConfig(policy="ar", max_new_tokens=MAX_NEW)
     outputs = {}
 
@@ -109,7 +109,8 @@ def run_tree(loaded, tree_spec, drafter_for, prompts) -> list[float]:
     taus = []
     for k in prompts:
         ids = loaded.encode_prompt(PROMPTS[k])
-        result = SpecDecoder(loaded, drafter_for(k, ids), FixedTree("fixed", tree_spec)).generate(ids, cfg)
+        policy = FixedTree("fixed", load_topology(tree_spec))
+        result = SpecDecoder(loaded, drafter_for(k, ids), policy).generate(ids, cfg)
         assert result.num_output_tokens == MAX_NEW or result.finish_reason == "stop"
         assert_greedy(loaded, ids, result.output_token_ids, f"{tree_spec} prompt {k}")
         taus.append(result.mean_accepted_length)
@@ -155,7 +156,7 @@ def test_entmtp_policies_with_shipped_banks_are_greedy(loaded, task):
     trees against the shipped heads, and decode plain greedy's tokens. (Switching mid-generation
     is checked against greedy in test_decode_oracle.py with policies made to switch.)"""
     from entmtp_ray.calibrate.bank import default_bank_path, load_bank
-    from entmtp_ray.decode.policy import make_policy
+    from entmtp_ray.pipeline.assemble import policy_for
 
     bank = load_bank(default_bank_path(loaded.name, task), max_depth=4)
     drafter = HydraDrafter(load_model_heads(loaded, None), loaded.model, draft_vocab_for(loaded.name, None, None))
@@ -165,7 +166,7 @@ def test_entmtp_policies_with_shipped_banks_are_greedy(loaded, task):
     for k, (policy_name, signal) in enumerate(runs):
         cfg = DecodingConfig(policy=policy_name, task=task, signal=signal, max_new_tokens=MAX_NEW)
         ids = loaded.encode_prompt(PROMPTS[k % len(PROMPTS)])
-        result = SpecDecoder(loaded, drafter, make_policy(cfg, bank)).generate(ids, cfg)
+        result = SpecDecoder(loaded, drafter, policy_for(cfg, bank)).generate(ids, cfg)
         assert_greedy(loaded, ids, result.output_token_ids, f"{task} {policy_name} {signal} prompt {k}")
 
 
@@ -181,7 +182,7 @@ def test_bf16_paths_are_bf16_greedy(loaded_bf16, tmp_path):
     logit of 13 is representable only to 0.0625), and once a tree path breaks one differently from
     a one-token step, the continuation differs from `generate`'s: every token is checked anyway."""
     loaded = loaded_bf16
-    ar = SpecDecoder(loaded, None, FixedTree("ar", "ar"))
+    ar = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))
     outputs = []
     for k in range(3):
         ids = loaded.encode_prompt(PROMPTS[k])

@@ -99,20 +99,21 @@ def regime_rollouts(n: int, seed: int):
 
 
 def test_policy_sweep_finds_a_switching_policy_that_beats_the_static_tree():
-    from entmtp_ray.calibrate.bank import choose_policies, replay_all
+    from entmtp_ray.calibrate.sweep import choose_policies, replay_all
     from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, make_signal
+    from entmtp_ray.decode.tree import make_topology
 
     rollouts = regime_rollouts(20, 0)
-    trees = {"n1": frozenset(), "n4": frozenset({(0,), (0, 0), (0, 0, 0)})}
+    trees = {"n1": make_topology([], "n1"), "n4": make_topology([(0,), (0, 0), (0, 0, 0)], "n4")}
     cost = {"n1": 1.0, "n4": 2.5}  # the deep chain pays off only where it is accepted
     params, figures = choose_policies(rollouts, trees, cost, 0.0, ["n1", "n4"], beta=0.5)
     fixed = figures["fixed_tokens_per_s"]
     assert params.star == max(fixed, key=fixed.get)
     entropy = params.signals["entropy"]
     assert (entropy.conservative, entropy.aggressive) == ("n1", "n4")
-    tau = HysteresisPolicy("t", entropy.conservative, entropy.aggressive, entropy.tau_on, entropy.tau_off,
-                           make_signal("entropy", 0.5, entropy.initial))
-    switching = replay_all(rollouts, tau, trees, cost).tokens_per_s
-    static = replay_all(rollouts, FixedTree("s", params.star), trees, cost).tokens_per_s
+    tau = HysteresisPolicy("t", trees[entropy.conservative], trees[entropy.aggressive], entropy.tau_on,
+                           entropy.tau_off, make_signal("entropy", 0.5, entropy.initial))
+    switching = replay_all(rollouts, tau, cost).tokens_per_s
+    static = replay_all(rollouts, FixedTree("s", trees[params.star]), cost).tokens_per_s
     assert switching > 1.1 * static  # an oracle would get about 1.3x here
     assert figures["signals"]["entropy"]["tau_tokens_per_s"] == pytest.approx(switching)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from entmtp_ray.decode.tree import load_topology
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.engine import Engine
 from entmtp_ray.model.loading import VICUNA_SYSTEM, load_model
@@ -65,7 +66,7 @@ def test_trace_signal_records_the_running_entropy_before_each_step(local_dirs):
     row = traced.run("r1", "Write a poem.")
     lengths, signals = row["step_accepted_lengths"], row["step_signals"]
     assert len(lengths) == len(signals) == row["steps"] and sum(lengths) == row["num_output_tokens"] - 1
-    assert row["verified_nodes"] == row["steps"] * traced.decoder.buffers["hydra"].num_nodes
+    assert row["verified_nodes"] == row["steps"] * load_topology("hydra").num_nodes
     # recompute the EMA from a teacher-forced pass: entropy at each position after the prompt
     ids = traced.encode("Write a poem.")
     out = row["output_token_ids"]

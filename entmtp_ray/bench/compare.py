@@ -20,10 +20,10 @@ import torch
 
 from entmtp_ray.decode.acceptance import greedy_up_to_tie
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import GenerationResult, HydraDrafter, SpecDecoder, StepTrace, row_generator
+from entmtp_ray.decode.loop import GenerationResult, StepTrace, row_generator
 from entmtp_ray.model.loading import LoadedModel, embedded_source
-from entmtp_ray.decode.policy import BANK_POLICIES, make_policy
-from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, error_row, result_row
+from entmtp_ray.pipeline.assemble import BANK_POLICIES, Stack, policy_for
+from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, RowContext, error_row, result_row
 
 POLICIES = ("ar", "hydra", "medusa", "entmtp-star", "entmtp-ladder", "entmtp-tau")
 BASELINES = ("hf-generate", "hf-prompt-lookup", "llama-cpp")
@@ -135,13 +135,12 @@ class Prompt:
 class Bench:
     """The systems, built once, and the interleaved run over prompts and temperatures."""
 
-    def __init__(self, loaded: LoadedModel, systems: list[str], task: str | None, bank, heads, draft_vocab,
-                 model_label: str, heads_label: str | None, bank_label: str | None, threads: int, seed: int):
+    def __init__(self, stack: Stack, systems: list[str], task: str | None, bank, model_label: str,
+                 bank_label: str | None, threads: int, seed: int):
+        loaded = stack.loaded
         self.loaded, self.systems, self.task = loaded, systems, task
-        self.labels = {"model": model_label, "heads": heads_label, "bank": bank_label}
-        drafter = HydraDrafter(heads, loaded.model, draft_vocab) if heads is not None else None
-        self.decoders = {name: SpecDecoder(loaded, drafter if name != "ar" else None,
-                                           make_policy(DecodingConfig(policy=name, task=task), bank))
+        self.labels = {"model": model_label, "heads": stack.heads_label, "bank": bank_label}
+        self.decoders = {name: stack.decoder(policy_for(DecodingConfig(policy=name, task=task), bank))
                          for name in systems if name in POLICIES}
         self.baselines = {}
         if "hf-generate" in systems:
@@ -150,7 +149,7 @@ class Bench:
             self.baselines["hf-prompt-lookup"] = HFGenerate(loaded, PROMPT_LOOKUP_TOKENS)
         if "llama-cpp" in systems:
             self.baselines["llama-cpp"] = LlamaCpp(loaded, threads, seed)
-        self.max_depth = drafter.max_depth if drafter is not None else 0
+        self.max_depth = stack.max_depth
 
     def run_one(self, name: str, row_id: str, ids: list[int], cfg: DecodingConfig) -> GenerationResult:
         generator = row_generator(cfg.seed, row_id, self.loaded.device)
@@ -158,13 +157,12 @@ class Bench:
             return self.baselines[name].run(ids, cfg, int(generator.initial_seed() % 2**31))
         return self.decoders[name].generate(ids, cfg, generator)
 
-    def _context(self, name: str, prompt: Prompt, cfg: DecodingConfig) -> dict:
-        uses_bank = name in BANK_POLICIES
+    def _context(self, name: str, prompt: Prompt, cfg: DecodingConfig) -> RowContext:
         drafts = name in POLICIES and name != "ar"
-        return {"id": prompt.id, "prompt": prompt.text, "decoding": cfg.model_copy(update={"policy": name}),
-                "model": self.labels["model"], "heads": self.labels["heads"] if drafts else None,
-                "bank": self.labels["bank"] if uses_bank else None, "max_depth": self.max_depth if drafts else 0,
-                "actor_id": None, "started_at": time.time()}
+        return RowContext(id=prompt.id, prompt=prompt.text, decoding=cfg.model_copy(update={"policy": name}),
+                          model=self.labels["model"], heads=self.labels["heads"] if drafts else None,
+                          bank=self.labels["bank"] if name in BANK_POLICIES else None,
+                          max_depth=self.max_depth if drafts else 0, started_at=time.time())
 
     def variants(self, temperature: float, acceptances: list[str]) -> list[tuple[str, str]]:
         """(system, acceptance) pairs run at `temperature`: at T=0 greedy only; at T>0 every system under

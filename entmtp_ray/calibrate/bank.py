@@ -1,6 +1,7 @@
 """Topology bank files: the Pareto trees and policy settings measured for one (model, heads, task,
-hardware), as versioned JSON under banks/<model>/<task>.json. Validated on load: what cannot work
-is an error that names the fix; what may merely be slow (another model or machine) is a warning.
+hardware), as versioned JSON (shipped ones under assets/banks/<model>/<task>.json), and the EntMTP
+policies built from them. Validated on load: what cannot work is an error that names the fix; what
+may merely be slow (another model or machine) is a warning. Format: docs/design.md §6.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 from pydantic import BaseModel, Field, model_validator
 
 from entmtp_ray.assets import shipped_bank
-from entmtp_ray.model.loading import machine_name
-from entmtp_ray.decode.policy import SIGNALS
+from entmtp_ray.config import DecodingConfig
+from entmtp_ray.decode.policy import SIGNALS, FixedTree, HysteresisPolicy, LadderPolicy, Policy, make_signal
 from entmtp_ray.decode.tree import Topology, make_topology
+from entmtp_ray.model.loading import machine_name
 
 log = logging.getLogger(__name__)
 BANK_VERSION = 1
@@ -27,6 +29,11 @@ class BankTree(BaseModel):
     tau_grown: float | None = Field(None, description="accepted length estimated during growth (joint tree)")
     tau: float | None = Field(None, description="accepted length re-measured with the tree's own mask")
     tokens_per_s: float | None = Field(None, description="end-to-end output tokens/s on the bank's hardware")
+
+    @classmethod
+    def of(cls, tree: Topology, **measured) -> BankTree:
+        """The record of `tree` (its name and paths) with its measured figures."""
+        return cls(name=tree.name, paths=[list(p) for p in tree.paths], nodes=tree.num_nodes, **measured)
 
 
 class Hardware(BaseModel):
@@ -177,102 +184,35 @@ def load_bank(path: str | Path, max_depth: int | None = None, model: str | None 
     return bank
 
 
-# ---- building a bank from measured rollouts ------------------------------------------------------
-# The measuring (rollouts on Ray actors, rank tables, step timings) lives in jobs/build_bank.py;
-# everything below is deterministic arithmetic over what it measured.
+# ---- the EntMTP policies a bank defines ------------------------------------------------------------
 
-CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
-QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-
-
-def candidate_trees(grown: list[tuple], budget: int, task: str) -> dict[str, frozenset]:
-    """The root-only tree and the grown trees at CANDIDATE_SIZES up to `budget`, named <task>-n<nodes>."""
-    out = {f"{task}-n1": frozenset()}
-    for paths in grown:
-        nodes = len(paths) + 1
-        if nodes in CANDIDATE_SIZES and nodes <= budget:
-            out[f"{task}-n{nodes}"] = frozenset(paths)
-    return out
+def _signal(cfg: DecodingConfig, bank: Bank):
+    name, params = bank.policy.for_signal(cfg.signal)
+    return make_signal(name, bank.policy.beta, params.initial), params
 
 
-def replay_all(rollouts, policy, trees: dict[str, frozenset], step_seconds: dict[str, float],
-               prefill_seconds: float = 0.0, lengths: list[dict[str, list[int]]] | None = None):
-    """A policy replayed over every calibration rollout, pooled (see growth.replay); `lengths`,
-    one growth.accepted_lengths per rollout, makes repeated replays several times faster."""
-    from entmtp_ray.calibrate.growth import Replay, replay
-
-    total = Replay()
-    for k, r in enumerate(rollouts):
-        replay(r.rows, r.entropy, r.top1, policy, trees, step_seconds, into=total,
-               lengths=lengths[k] if lengths is not None else None)
-    total.seconds += prefill_seconds
-    return total
+def _star(cfg: DecodingConfig, bank: Bank) -> FixedTree:
+    return FixedTree("entmtp-star", bank.topology(bank.policy.star))
 
 
-def signal_quantiles(rollouts, name: str, beta: float) -> list[float]:
-    """Quantiles of the EMA signal as a fixed policy would see it over the calibration rollouts."""
-    from entmtp_ray.calibrate.growth import ReplayStep
-    from entmtp_ray.decode.policy import make_signal
-
-    signal, values = make_signal(name, beta, 0.0), []
-    for r in rollouts:
-        signal.reset()
-        for i in range(len(r.rows)):
-            values.append(signal.update(ReplayStep("", 1, [r.entropy[i]], [r.top1[i]])))
-    values.sort()
-    return [values[int(q * (len(values) - 1))] for q in QUANTILES]
+def _ladder(cfg: DecodingConfig, bank: Bank) -> LadderPolicy:
+    signal, p = _signal(cfg, bank)
+    return LadderPolicy("entmtp-ladder", [bank.topology(t) for t in p.ladder_trees], p.ladder_thresholds, signal)
 
 
-def choose_policies(rollouts, trees: dict[str, frozenset], step_seconds: dict[str, float], prefill_seconds: float,
-                    frontier: list[str], beta: float = 0.9, top: int = 6,
-                    lengths: list[dict[str, list[int]]] | None = None) -> tuple[PolicyParams, dict]:
-    """Sweep the star tree, the ladder and the hysteresis pair per signal on the calibration
-    rollouts; the highest replayed tokens/s wins each. Returns the settings and the sweep's figures.
-    `lengths`: growth.accepted_lengths per rollout when the caller already has them."""
-    from itertools import combinations
+def _hysteresis(cfg: DecodingConfig, bank: Bank) -> HysteresisPolicy:
+    signal, p = _signal(cfg, bank)
+    return HysteresisPolicy("entmtp-tau", bank.topology(p.conservative), bank.topology(p.aggressive), p.tau_on,
+                            p.tau_off, signal)
 
-    from entmtp_ray.calibrate.growth import accepted_lengths
-    from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
 
-    if lengths is None:
-        lengths = [accepted_lengths(r.rows, trees) for r in rollouts]
+BANK_POLICIES = {"entmtp-star": _star, "entmtp-ladder": _ladder, "entmtp-tau": _hysteresis}
 
-    def rate(policy) -> float:
-        return replay_all(rollouts, policy, trees, step_seconds, prefill_seconds, lengths).tokens_per_s
 
-    fixed = {name: rate(FixedTree(name, name)) for name in frontier}
-    star = max(frontier, key=lambda n: (fixed[n], -len(trees[n])))
-    best_trees = sorted(frontier, key=lambda n: -fixed[n])[:top]
-    by_size = sorted(best_trees, key=lambda n: -len(trees[n]))  # most aggressive first
-    figures = {"fixed_tokens_per_s": fixed, "signals": {}}
-    signals = {}
-    for name in ("entropy", "top1", "path"):
-        qs = signal_quantiles(rollouts, name, beta)
-        initial = qs[len(qs) // 2]
-        # hysteresis: (conservative, aggressive) with the aggressive tree at least as large; the
-        # pair (star, star) is the static tree, so the sweep never does worse than entmtp-star
-        best_tau = (fixed[star], (star, star, qs[0], qs[-1]))
-        for small, big in [(a, b) for a in by_size for b in by_size if len(trees[b]) > len(trees[a])]:
-            for on, off in combinations(qs, 2):
-                if on >= off:
-                    continue
-                r = rate(HysteresisPolicy("t", small, big, on, off, make_signal(name, beta, initial)))
-                if r > best_tau[0]:
-                    best_tau = (r, (small, big, on, off))
-        # ladder: three trees, most confident (largest) first, two thresholds
-        best_ladder = (fixed[star], ([star], []))
-        for triple in combinations(by_size, 3):
-            for low, high in combinations(qs, 2):
-                if low >= high:
-                    continue
-                r = rate(LadderPolicy("l", list(triple), [low, high], make_signal(name, beta, initial)))
-                if r > best_ladder[0]:
-                    best_ladder = (r, (list(triple), [low, high]))
-        small, big, on, off = best_tau[1]
-        signals[name] = SignalParams(initial=initial, ladder_trees=best_ladder[1][0],
-                                     ladder_thresholds=best_ladder[1][1], conservative=small, aggressive=big,
-                                     tau_on=on, tau_off=off)
-        figures["signals"][name] = {"quantiles": qs, "tau_tokens_per_s": best_tau[0],
-                                    "ladder_tokens_per_s": best_ladder[0]}
-    default = max(signals, key=lambda n: figures["signals"][n]["tau_tokens_per_s"])
-    return PolicyParams(star=star, signal=default, beta=beta, signals=signals), figures
+def bank_policy(cfg: DecodingConfig, bank: Bank) -> Policy:
+    """The EntMTP policy named by cfg.policy, with its trees and thresholds from `bank`."""
+    if cfg.policy not in BANK_POLICIES:
+        raise ValueError(f"policy '{cfg.policy}' reads no bank; the bank policies are {sorted(BANK_POLICIES)}")
+    if cfg.tree:
+        raise ValueError(f"--tree applies to --policy fixed only (got --policy {cfg.policy})")
+    return BANK_POLICIES[cfg.policy](cfg, bank)

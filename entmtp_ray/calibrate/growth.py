@@ -1,5 +1,5 @@
 """Tree growth from measured acceptance: the paper's Algorithm 1 and the Pareto frontier. Pure
-Python over rank tables; no model here (banks.py measures the tables, this module decides).
+Python over rank tables; no model here (rollouts.py measures the tables, this module decides).
 
 An *acceptance table* has one row per calibration position t of a self-rollout: the rank of the
 true next token in each head's top-k along the true path (row[k] for depth k+1; -1 = not within
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 
-Path_ = tuple[int, ...]
+from entmtp_ray.decode.tree import Topology, TreePath, is_tree, path_order
 
 
 class AcceptanceTable:
@@ -24,7 +24,7 @@ class AcceptanceTable:
     def __init__(self, rows: Iterable[Sequence[int]], max_depth: int):
         self.max_depth = max_depth
         self.rows = 0
-        self.prefix_counts: Counter[Path_] = Counter()
+        self.prefix_counts: Counter[TreePath] = Counter()
         for row in rows:
             self.rows += 1
             prefix: list[int] = []
@@ -36,16 +36,16 @@ class AcceptanceTable:
         if self.rows == 0:
             raise ValueError("an acceptance table needs at least one calibration position")
 
-    def gain(self, path: Path_) -> float:
+    def gain(self, path: TreePath) -> float:
         """Expected extra accepted tokens per step from adding `path` (its parent already present)."""
         return self.prefix_counts.get(tuple(path), 0) / self.rows
 
-    def accepted_length(self, paths: Iterable[Path_]) -> float:
+    def accepted_length(self, paths: Iterable[TreePath]) -> float:
         """Expected accepted length (bonus token included) of a prefix-closed tree."""
         return 1.0 + sum(self.gain(p) for p in paths)
 
 
-def _candidates(tree: set[Path_], max_depth: int) -> list[Path_]:
+def _candidates(tree: set[TreePath], max_depth: int) -> list[TreePath]:
     """Paths that keep the tree valid when added: the next rank under every present node (root included)."""
     out = []
     for parent in [(), *tree]:
@@ -58,23 +58,23 @@ def _candidates(tree: set[Path_], max_depth: int) -> list[Path_]:
     return out
 
 
-def _preference(table: AcceptanceTable, path: Path_) -> tuple:
+def _preference(table: AcceptanceTable, path: TreePath) -> tuple:
     """Higher gain first; ties: shallower, then smaller rank sum, then the path itself (deterministic)."""
     return (-table.gain(path), len(path), sum(path), path)
 
 
-def grow_trees(table: AcceptanceTable, budget: int, max_depth: int | None = None) -> list[tuple[Path_, ...]]:
+def grow_trees(table: AcceptanceTable, budget: int, max_depth: int | None = None) -> list[tuple[TreePath, ...]]:
     """Algorithm 1: add the best child one node at a time. Returns the tree after each addition
     (trees[k] has k+1 paths, i.e. k+2 nodes with the root), up to `budget` nodes in all."""
     depth = max_depth if max_depth is not None else table.max_depth
-    tree: set[Path_] = set()
-    order: list[Path_] = []
+    tree: set[TreePath] = set()
+    order: list[TreePath] = []
     trees = []
     while len(tree) + 1 < budget:
         best = min(_candidates(tree, depth), key=lambda p: _preference(table, p))
         tree.add(best)
         order.append(best)
-        trees.append(tuple(sorted(order, key=lambda p: (len(p), p))))
+        trees.append(tuple(sorted(order, key=path_order)))
     return trees
 
 
@@ -85,7 +85,7 @@ def brute_force_best(table: AcceptanceTable, budget: int, max_depth: int, max_ra
     best, winners = -1.0, set()
     for subset in combinations(universe, budget - 1):
         paths = set(subset)
-        if not _valid(paths):
+        if not is_tree(paths):
             continue
         value = table.accepted_length(paths)
         if value > best + 1e-12:
@@ -95,19 +95,13 @@ def brute_force_best(table: AcceptanceTable, budget: int, max_depth: int, max_ra
     return best, winners
 
 
-def _all_paths(max_depth: int, max_rank: int) -> list[Path_]:
-    level: list[Path_] = [()]
+def _all_paths(max_depth: int, max_rank: int) -> list[TreePath]:
+    level: list[TreePath] = [()]
     out = []
     for _ in range(max_depth):
         level = [p + (r,) for p in level for r in range(max_rank)]
         out += level
     return out
-
-
-def _valid(paths: set[Path_]) -> bool:
-    """Prefix-closed with contiguous ranks."""
-    return all(p[:-1] in paths or len(p) == 1 for p in paths) and all(
-        p[-1] == 0 or p[:-1] + (p[-1] - 1,) in paths for p in paths)
 
 
 def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -151,21 +145,21 @@ class Replay:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def accepted_length(row: Sequence[int], paths: frozenset) -> int:
-    """Tokens a greedy step adds when the true path's ranks are `row` and the tree is `paths`."""
+def accepted_length(row: Sequence[int], tree: Topology) -> int:
+    """Tokens a greedy step adds when the true path's ranks are `row` and the tree is `tree`."""
     d = 0
-    while d < len(row) and row[d] >= 0 and tuple(row[: d + 1]) in paths:
+    while d < len(row) and row[d] >= 0 and tuple(row[: d + 1]) in tree.path_set:
         d += 1
     return d + 1
 
 
-def accepted_lengths(rows: Sequence[Sequence[int]], trees: dict[str, frozenset]) -> dict[str, list[int]]:
-    """accepted_length of every tree at every rollout position, computed once for many replays."""
-    return {name: [accepted_length(row, paths) for row in rows] for name, paths in trees.items()}
+def accepted_lengths(rows: Sequence[Sequence[int]], trees: Iterable[Topology]) -> dict[str, list[int]]:
+    """accepted_length of every tree (by name) at every rollout position, computed once for many replays."""
+    return {tree.name: [accepted_length(row, tree) for row in rows] for tree in trees}
 
 
 def replay(rows: Sequence[Sequence[int]], entropy: Sequence[float], top1: Sequence[float], policy,
-           trees: dict[str, frozenset], step_seconds: dict[str, float], into: Replay | None = None,
+           step_seconds: dict[str, float], into: Replay | None = None,
            lengths: dict[str, list[int]] | None = None) -> Replay:
     """Greedy decoding of one rollout under `policy`, step by step, without the model.
 
@@ -179,8 +173,9 @@ def replay(rows: Sequence[Sequence[int]], entropy: Sequence[float], top1: Sequen
     policy.reset()
     i, previous, end = 0, None, len(rows)
     while i + 1 < end:  # rollout token i is the root; the prefill emitted token 0
-        name = policy.choose()
-        a = lengths[name][i] if lengths is not None else accepted_length(rows[i], trees[name])
+        tree = policy.choose()
+        name = tree.name
+        a = lengths[name][i] if lengths is not None else accepted_length(rows[i], tree)
         policy.observe(ReplayStep(name, min(a, end - 1 - i), list(entropy[i: i + a]), list(top1[i: i + a])))
         out.steps += 1
         out.tokens += min(a, end - 1 - i)  # the last step is cut at the rollout's end, as decoding cuts it

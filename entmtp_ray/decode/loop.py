@@ -1,7 +1,10 @@
-"""The decoding loop: prefill, choose a tree, draft, verify, accept, commit. Returns a traced result.
+"""The decoding loop: prefill, then steps of choose, draft, verify, accept, commit, observe. Returns a
+traced result (docs/design.md §2).
 
-One request at a time (batch size 1). AR is the same loop with the one-node tree. Knows
-nothing about Ray or Parquet; the policy decides the tree, acceptance decides the path.
+One request at a time (batch size 1). AR is the same loop with the one-node tree. Knows nothing
+about Ray or Parquet; the policy decides the tree, acceptance decides the path. Each step is six
+named methods over one `Request` (the state of a generation in flight) and returns its StepTrace,
+whose `seconds` holds each phase's wall time when the caller asks for a profile.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import ONE_TOKEN_ROWS, Projection, forward_hidden, prepare
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import Policy, Signal, make_signal
-from entmtp_ray.decode.tree import TreeBuffers, build_buffers, chain_topology, load_topology
+from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_topology, load_topology
 
 
 @dataclass
@@ -32,6 +35,7 @@ class StepTrace:
     entropy: list[float]  # next-token entropy (nats)
     top1_prob: list[float]  # top-1 probability
     signal: float | None = None  # the scheduling signal when this step's tree was chosen (None: not traced)
+    seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds, when profiled (PHASES)
 
 
 @dataclass
@@ -201,6 +205,39 @@ def _top1_probs(logits: torch.Tensor) -> list[float]:
     return (logits.amax(-1) - torch.logsumexp(logits, dim=-1)).exp().tolist()
 
 
+PHASES = ("choose", "draft", "verify", "accept", "commit", "observe")  # one step, in order
+SCHEDULING = ("choose", "observe")  # the phases GenerationResult.schedule_s adds up
+
+
+@dataclass
+class Request:
+    """One generation in flight: what the steps read and advance."""
+
+    cfg: DecodingConfig
+    generator: torch.Generator | None
+    capacity: int  # positions the caches hold for this request
+    plan: object  # the model's inference plan (llama.prepare), checked once per generation
+    root: int  # the next token, already chosen: the root of the next tree
+    output: list[int]  # emitted tokens (EOS included when it stopped on one)
+    finish: str | None  # None while running, else the finish reason
+    tracer: Signal | None  # the signal whose value each step records (None: not traced)
+    own_tracer: bool  # whether the decoder (not the policy) updates the tracer
+    profile: bool  # synchronise the device at each phase boundary and keep the phase times
+    steps: list[StepTrace] = field(default_factory=list)
+    schedule_s: float = 0.0
+
+
+@dataclass
+class Verified:
+    """What one verification forward produced for the tree of a step."""
+
+    buffers: TreeBuffers
+    tokens: torch.Tensor  # [n] the tree's tokens, root first
+    committed: int  # cache length before the step (position of the root)
+    hidden: torch.Tensor  # [n, H] base model's last hidden state per node
+    scored_logits: torch.Tensor  # [scored, V] verifier logits at the nodes with children
+
+
 class SpecDecoder:
     """Holds a model, its drafter and every tree a policy may pick (buffers built once)."""
 
@@ -208,14 +245,13 @@ class SpecDecoder:
         self.loaded = loaded
         self.drafter = drafter or NoDrafter(loaded.device)
         self.policy = policy
-        self.buffers: dict[str, TreeBuffers] = {}
-        for spec in policy.trees():
-            topology = load_topology(spec)
+        self.buffers: dict[Topology, TreeBuffers] = {}
+        for topology in policy.trees():
             if topology.depth > 0 and isinstance(self.drafter, NoDrafter):
                 raise ValueError(f"policy '{policy.name}' drafts with tree '{topology.name}' but no heads were "
                                  "loaded; pass --heads DIR")
-            topology = load_topology(topology, max_depth=self.drafter.max_depth)  # no deeper than the heads
-            self.buffers[spec] = build_buffers(topology, loaded.device)
+            checked = load_topology(topology, max_depth=self.drafter.max_depth)  # no deeper than the heads
+            self.buffers[topology] = build_buffers(checked, loaded.device)
         self.ar = build_buffers(chain_topology(0), loaded.device)
         self.max_nodes = max(b.num_nodes for b in self.buffers.values())
         self.cache: KVCache | None = None
@@ -244,109 +280,168 @@ class SpecDecoder:
         if self.loaded.device.type == "cuda":
             torch.cuda.synchronize(self.loaded.device)
 
-    def _accept(self, tokens, scored_logits, buffers, cfg: DecodingConfig,
-                generator) -> tuple[torch.Tensor, list[int]]:
-        """The accepted nodes ([a], root first) and the tokens the next token must not be (exact
-        acceptance's rejected children of the last node; [] otherwise)."""
-        if not buffers.children[0]:  # the one-node tree drafted nothing: the root alone, no rule to run
-            return buffers.retrieve_indices[0], []
-        if cfg.temperature > 0 and cfg.acceptance == "exact":
-            path, rejected = exact_accept(tokens.tolist(), scored_logits, buffers.row_of_node, buffers.children,
-                                          cfg.temperature, generator)
-            return torch.tensor(path, device=tokens.device), rejected
-        if cfg.temperature > 0 and cfg.acceptance == "typical":
-            return typical_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices,
-                                  cfg.temperature, cfg.typical_epsilon, cfg.typical_alpha), []
-        return greedy_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices), []
-
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], cfg: DecodingConfig,
-                 generator: torch.Generator | None = None) -> GenerationResult:
-        model, dev = self.loaded.model, self.loaded.device
-        eos = self.loaded.eos_token_ids
-        max_new = cfg.max_new_tokens
-        capacity = min(self.loaded.max_positions, len(prompt_ids) + max_new + max(self.max_nodes, ONE_TOKEN_ROWS))
+    def generate(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None,
+                 profile: bool = False) -> GenerationResult:
+        """Decode one request to its end. `profile`: each step's trace keeps its phase times (the device
+        is synchronised at every phase boundary, so a profiled run is a little slower)."""
+        start = time.perf_counter()
+        request = self.prefill(prompt_ids, cfg, generator, profile)
+        self._sync()
+        prefill_s = time.perf_counter() - start
+        while request.finish is None:
+            self.step(request)
+        self._sync()
+        decode_s = time.perf_counter() - start - prefill_s
+        return GenerationResult(
+            prompt_token_ids=list(prompt_ids), output_token_ids=request.output,
+            output_text=self.loaded.decode(request.output), finish_reason=request.finish, prefill_s=prefill_s,
+            decode_s=decode_s, steps=request.steps, schedule_s=request.schedule_s)
+
+    def prefill(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None,
+                profile: bool = False) -> Request:
+        """The prompt, causally, into a fresh cache; its last logits give the first token (the first root)."""
+        capacity = min(self.loaded.max_positions, len(prompt_ids) + cfg.max_new_tokens + max(self.max_nodes,
+                                                                                            ONE_TOKEN_ROWS))
         if len(prompt_ids) >= capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
                              f"{self.loaded.max_positions}-token context")
         self.policy.reset()
-        start = time.perf_counter()
-
-        # 0) prefill: the prompt, causally; its last logits give the first token (the first root)
-        plan = prepare(model)  # weights checked once per generation, not per step
-        lm_head = plan.lm_head
+        dev = self.loaded.device
+        plan = prepare(self.loaded.model)  # weights checked once per generation, not per step
         cache = self._cache_for(capacity)
         prompt = torch.tensor(prompt_ids, dtype=torch.long, device=dev)  # [p]
         positions = torch.arange(prompt.numel(), device=dev)  # [p]
-        hidden = forward_hidden(model, cache, prompt, positions, plan=plan)  # [p, H]
+        hidden = forward_hidden(self.loaded.model, cache, prompt, positions, plan=plan)  # [p, H]
         cache.keep(positions)
-        root = next_token(lm_head(hidden[-1]), cfg.temperature, generator)
+        root = next_token(plan.lm_head(hidden[-1]), cfg.temperature, generator)
         self.drafter.begin(hidden, positions, capacity)
-        output: list[int] = []
-        finish = _extend(output, [root], eos, max_new)
-        self._sync()
-        prefill_s = time.perf_counter() - start
-
-        steps: list[StepTrace] = []
-        schedule_s = 0.0
         tracer, own_tracer = self._tracer(cfg)
-        stat = tracer.stat if tracer is not None else None
-        while finish is None:
-            # 1) choose the tree; near the end of the context fall back to one node
-            tick = time.perf_counter()
-            signal = tracer.value if tracer is not None else None
-            spec = self.policy.choose()
-            schedule_s += time.perf_counter() - tick
-            buffers = self.buffers[spec]
-            committed = cache.length
-            if committed + buffers.num_nodes > capacity:
-                if committed + 1 > capacity:
-                    finish = "context"
-                    break
-                buffers = self.ar
-            # 2) draft the tree's tokens below the root
-            tokens = self.drafter.draft(buffers, root)  # [n]
-            # 3) verify the whole tree in one forward under the tree mask
-            positions = committed + buffers.depth_of  # [n]
-            hidden = forward_hidden(model, cache, tokens, positions, buffers.tree_mask, plan)  # [n, H]
-            scored_logits = lm_head(hidden[buffers.scored_nodes])  # [scored, V]
-            # 4) accept a path, then pick the token after it
-            accepted, rejected = self._accept(tokens, scored_logits, buffers, cfg, generator)  # [a], root first
-            last = int(accepted[-1])
-            last_row = int(buffers.row_of_node[last])
-            last_logits = scored_logits[last_row] if last_row >= 0 else lm_head(hidden[last])  # [V]
-            root_logits = last_logits
-            if rejected:  # exact acceptance: the next token comes from the residual
-                root_logits = last_logits.index_fill(0, torch.tensor(rejected, device=dev), float("-inf"))
-            root = next_token(root_logits, cfg.temperature, generator)
-            # 5) commit the accepted path to both caches
-            cache.keep(accepted)
-            self.drafter.advance(hidden[accepted], committed + torch.arange(accepted.numel(), device=dev))
-            # 6) emit and trace
-            new_tokens = tokens[accepted[1:]].tolist() + [root]
-            before = len(output)
-            finish = _extend(output, new_tokens, eos, max_new)
-            tick = time.perf_counter()
-            entropy = top1 = []
-            if stat is not None:
-                rows = buffers.row_of_node[accepted[:-1]]
-                logits = torch.cat([scored_logits[rows], last_logits[None]])  # [a, V]
-                if stat == "top1":
-                    top1 = _top1_probs(logits)
-                else:
-                    entropy = _verifier_stats(logits)[0]
-            steps.append(StepTrace(buffers.topology.name, buffers.num_nodes, len(output) - before, entropy, top1,
-                                   signal))
-            self.policy.observe(steps[-1])
-            if own_tracer:
-                tracer.update(steps[-1])
-            schedule_s += time.perf_counter() - tick
+        output: list[int] = []
+        finish = _extend(output, [root], self.loaded.eos_token_ids, cfg.max_new_tokens)
+        return Request(cfg, generator, capacity, plan, root, output, finish, tracer, own_tracer, profile)
 
-        self._sync()
-        decode_s = time.perf_counter() - start - prefill_s
-        return GenerationResult(
-            prompt_token_ids=list(prompt_ids), output_token_ids=output, output_text=self.loaded.decode(output),
-            finish_reason=finish, prefill_s=prefill_s, decode_s=decode_s, steps=steps, schedule_s=schedule_s)
+    def step(self, request: Request) -> StepTrace | None:
+        """One draft-verify step of a running request: its trace, or None when the context is full."""
+        clock = _PhaseClock(self._sync if request.profile else None)
+        # 1) choose the tree; near the end of the context fall back to one node
+        signal = request.tracer.value if request.tracer is not None else None
+        buffers = self.choose(request)
+        clock.mark("choose")
+        if buffers is None:
+            request.finish = "context"
+            request.schedule_s += clock.seconds["choose"]
+            return None
+        # 2) draft the tree's tokens below the root
+        tokens = self.drafter.draft(buffers, request.root)  # [n]
+        clock.mark("draft")
+        # 3) verify the whole tree in one forward under the tree mask
+        verified = self.verify(request, buffers, tokens)
+        clock.mark("verify")
+        # 4) accept a path, then pick the token after it
+        accepted, last_logits = self.accept(request, verified)
+        clock.mark("accept")
+        # 5) commit the accepted path to both caches and emit its tokens
+        emitted = self.commit(request, verified, accepted)
+        clock.mark("commit")
+        # 6) let the policy (and the signal) see the step
+        trace = self.observe(request, verified, accepted, last_logits, emitted, signal)
+        clock.mark("observe")
+        request.schedule_s += clock.seconds["choose"] + clock.seconds["observe"]
+        if request.profile:
+            trace.seconds = clock.seconds
+        return trace
+
+    def choose(self, request: Request) -> TreeBuffers | None:
+        """The policy's tree for this step, or the one-node tree when the context has no room for it;
+        None when not even one more token fits."""
+        buffers = self.buffers[self.policy.choose()]
+        committed = self.cache.length
+        if committed + buffers.num_nodes <= request.capacity:
+            return buffers
+        return self.ar if committed + 1 <= request.capacity else None
+
+    def verify(self, request: Request, buffers: TreeBuffers, tokens: torch.Tensor) -> Verified:
+        """One forward of the base model over the tree's nodes, and the verifier logits of the scored ones."""
+        committed = self.cache.length
+        positions = committed + buffers.depth_of  # [n]
+        hidden = forward_hidden(self.loaded.model, self.cache, tokens, positions, buffers.tree_mask,
+                                request.plan)  # [n, H]
+        scored_logits = request.plan.lm_head(hidden[buffers.scored_nodes])  # [scored, V]
+        return Verified(buffers, tokens, committed, hidden, scored_logits)
+
+    def accept(self, request: Request, verified: Verified) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accepted nodes ([a], root first) under the request's acceptance rule, and the logits ([V])
+        after the last of them; sets the request's next root (from the residual under exact acceptance)."""
+        cfg, buffers, tokens = request.cfg, verified.buffers, verified.tokens
+        scored_logits, rejected = verified.scored_logits, []
+        if not buffers.children[0]:  # the one-node tree drafted nothing: the root alone, no rule to run
+            accepted = buffers.retrieve_indices[0]
+        elif cfg.temperature > 0 and cfg.acceptance == "exact":
+            path, rejected = exact_accept(tokens.tolist(), scored_logits, buffers.row_of_node, buffers.children,
+                                          cfg.temperature, request.generator)
+            accepted = torch.tensor(path, device=tokens.device)
+        elif cfg.temperature > 0 and cfg.acceptance == "typical":
+            accepted = typical_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices,
+                                      cfg.temperature, cfg.typical_epsilon, cfg.typical_alpha)
+        else:
+            accepted = greedy_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices)
+        last = int(accepted[-1])
+        last_row = int(buffers.row_of_node[last])
+        last_logits = scored_logits[last_row] if last_row >= 0 else request.plan.lm_head(verified.hidden[last])  # [V]
+        root_logits = last_logits
+        if rejected:  # exact acceptance: the next token comes from the residual
+            root_logits = last_logits.index_fill(0, torch.tensor(rejected, device=tokens.device), float("-inf"))
+        request.root = next_token(root_logits, cfg.temperature, request.generator)
+        return accepted, last_logits
+
+    def commit(self, request: Request, verified: Verified, accepted: torch.Tensor) -> int:
+        """Keep the accepted path in the base model's and the drafter's caches, and emit its tokens and the
+        next root (up to EOS or the token limit). Returns how many tokens the step added."""
+        self.cache.keep(accepted)
+        positions = verified.committed + torch.arange(accepted.numel(), device=accepted.device)
+        self.drafter.advance(verified.hidden[accepted], positions)
+        before = len(request.output)
+        new_tokens = verified.tokens[accepted[1:]].tolist() + [request.root]
+        request.finish = _extend(request.output, new_tokens, self.loaded.eos_token_ids, request.cfg.max_new_tokens)
+        return len(request.output) - before
+
+    def observe(self, request: Request, verified: Verified, accepted: torch.Tensor, last_logits: torch.Tensor,
+                emitted: int, signal: float | None) -> StepTrace:
+        """The step's trace, with the verifier statistic the signal reads (only that one), shown to the
+        policy and, when the decoder owns it, to the traced signal."""
+        buffers = verified.buffers
+        stat = request.tracer.stat if request.tracer is not None else None
+        entropy = top1 = []
+        if stat is not None:
+            rows = buffers.row_of_node[accepted[:-1]]
+            logits = torch.cat([verified.scored_logits[rows], last_logits[None]])  # [a, V]
+            if stat == "top1":
+                top1 = _top1_probs(logits)
+            else:
+                entropy = _verifier_stats(logits)[0]
+        trace = StepTrace(buffers.topology.name, buffers.num_nodes, emitted, entropy, top1, signal)
+        request.steps.append(trace)
+        self.policy.observe(trace)
+        if request.own_tracer:
+            request.tracer.update(trace)
+        return trace
+
+
+class _PhaseClock:
+    """Wall time of each phase of a step, between marks; `sync` (the device's) runs before each reading."""
+
+    def __init__(self, sync=None):
+        self.sync = sync
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        self.seconds[phase] = now - self.last
+        self.last = now
 
 
 def _extend(output: list[int], new_tokens: list[int], eos: frozenset[int], max_new: int) -> str | None:

@@ -1,24 +1,24 @@
-"""Tree-choosing policies behind one method, looked up by name. No model or tensor maths here.
+"""Tree-choosing policies behind one method, and the scheduling signals they read. No model or
+tensor maths here, and no bank: the EntMTP policies are built from a bank by calibrate/bank.py.
 
 A policy names every tree it may use up front (so their buffers are built once, at load),
 picks one tree per step with `choose()`, and sees each finished step through `observe()`.
+Trees are Topology values throughout (decode/tree.py); a step names its tree by `Topology.name`.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from entmtp_ray.config import DecodingConfig
-
-if TYPE_CHECKING:
-    from entmtp_ray.calibrate.bank import Bank
+from entmtp_ray.decode.tree import Topology, load_topology
 
 
 class StepView(Protocol):
     """What a policy may read of a finished step (decoding.StepTrace satisfies it)."""
 
-    tree: str
+    tree: str  # the Topology.name of the step's tree
     accepted_length: int
     entropy: list[float]
     top1_prob: list[float]
@@ -30,11 +30,11 @@ class Policy(Protocol):
     # decoder computes only that one, so a policy with nothing to switch costs what a fixed tree does
     signal_stat: str | None
 
-    def trees(self) -> list[str]: ...
+    def trees(self) -> list[Topology]: ...
 
     def reset(self) -> None: ...
 
-    def choose(self) -> str: ...
+    def choose(self) -> Topology: ...
 
     def observe(self, step: StepView) -> None: ...
 
@@ -44,17 +44,17 @@ class FixedTree:
 
     signal_stat = None
 
-    def __init__(self, name: str, tree: str):
+    def __init__(self, name: str, tree: Topology):
         self.name = name
         self.tree = tree
 
-    def trees(self) -> list[str]:
+    def trees(self) -> list[Topology]:
         return [self.tree]
 
     def reset(self) -> None:
         pass
 
-    def choose(self) -> str:
+    def choose(self) -> Topology:
         return self.tree
 
     def observe(self, step: StepView) -> None:
@@ -128,24 +128,24 @@ class LadderPolicy:
     """K trees for K intervals of the signal: trees[i] while thresholds[i-1] <= s < thresholds[i]
     (trees ordered from the most confident interval to the least). A ladder of one tree reads no signal."""
 
-    def __init__(self, name: str, trees: list[str], thresholds: list[float], signal: Signal):
+    def __init__(self, name: str, trees: list[Topology], thresholds: list[float], signal: Signal):
         if len(trees) != len(thresholds) + 1 or list(thresholds) != sorted(thresholds):
             raise ValueError("a ladder needs K trees and K-1 ascending thresholds")
         self.name, self._trees, self.thresholds, self.signal = name, list(trees), list(thresholds), signal
         self.signal_stat = signal.stat if len(set(trees)) > 1 else None
         self.current = self._pick()
 
-    def _pick(self) -> str:
+    def _pick(self) -> Topology:
         return self._trees[bisect.bisect_right(self.thresholds, self.signal.value)]
 
-    def trees(self) -> list[str]:
+    def trees(self) -> list[Topology]:
         return list(dict.fromkeys(self._trees))
 
     def reset(self) -> None:
         self.signal.reset()
         self.current = self._pick()
 
-    def choose(self) -> str:
+    def choose(self) -> Topology:
         return self.current
 
     def observe(self, step: StepView) -> None:
@@ -159,7 +159,7 @@ class HysteresisPolicy:
     s >= tau_off (tau_on < tau_off), so a signal wandering between them never flips the tree.
     When the two trees are the same (a bank whose sweep found no pair faster), it reads no signal."""
 
-    def __init__(self, name: str, conservative: str, aggressive: str, tau_on: float, tau_off: float,
+    def __init__(self, name: str, conservative: Topology, aggressive: Topology, tau_on: float, tau_off: float,
                  signal: Signal, start_aggressive: bool = False):
         if not tau_on < tau_off:
             raise ValueError(f"hysteresis needs tau_on < tau_off, got {tau_on} and {tau_off}")
@@ -168,14 +168,14 @@ class HysteresisPolicy:
         self.is_aggressive = start_aggressive
         self.signal_stat = signal.stat if conservative != aggressive else None
 
-    def trees(self) -> list[str]:
+    def trees(self) -> list[Topology]:
         return list(dict.fromkeys([self.conservative, self.aggressive]))
 
     def reset(self) -> None:
         self.signal.reset()
         self.is_aggressive = self.start_aggressive
 
-    def choose(self) -> str:
+    def choose(self) -> Topology:
         return self.aggressive if self.is_aggressive else self.conservative
 
     def observe(self, step: StepView) -> None:
@@ -191,46 +191,24 @@ class HysteresisPolicy:
 def _fixed(cfg: DecodingConfig) -> FixedTree:
     if not cfg.tree:
         raise ValueError("--policy fixed needs --tree NAME_OR_JSON_FILE")
-    return FixedTree("fixed", cfg.tree)
-
-
-def _signal(cfg: DecodingConfig, bank: Bank):
-    name, params = bank.policy.for_signal(cfg.signal)
-    return make_signal(name, bank.policy.beta, params.initial), params
-
-
-def _star(cfg: DecodingConfig, bank: Bank) -> FixedTree:
-    return FixedTree("entmtp-star", bank.topology(bank.policy.star))
-
-
-def _ladder(cfg: DecodingConfig, bank: Bank) -> LadderPolicy:
-    signal, p = _signal(cfg, bank)
-    return LadderPolicy("entmtp-ladder", [bank.topology(t) for t in p.ladder_trees], p.ladder_thresholds, signal)
-
-
-def _hysteresis(cfg: DecodingConfig, bank: Bank) -> HysteresisPolicy:
-    signal, p = _signal(cfg, bank)
-    return HysteresisPolicy("entmtp-tau", bank.topology(p.conservative), bank.topology(p.aggressive), p.tau_on,
-                            p.tau_off, signal)
+    return FixedTree("fixed", load_topology(cfg.tree))
 
 
 POLICIES = {
-    "ar": lambda cfg: FixedTree("ar", "ar"),
-    "hydra": lambda cfg: FixedTree("hydra", "hydra"),
-    "medusa": lambda cfg: FixedTree("medusa", "medusa"),
+    "ar": lambda cfg: FixedTree("ar", load_topology("ar")),
+    "hydra": lambda cfg: FixedTree("hydra", load_topology("hydra")),
+    "medusa": lambda cfg: FixedTree("medusa", load_topology("medusa")),
     "fixed": _fixed,
 }
-BANK_POLICIES = {"entmtp-star": _star, "entmtp-ladder": _ladder, "entmtp-tau": _hysteresis}
+# read a topology bank; built by calibrate.bank.bank_policy
+BANK_POLICIES = ("entmtp-star", "entmtp-ladder", "entmtp-tau")
 
 
-def make_policy(cfg: DecodingConfig, bank: Bank | None = None) -> Policy:
-    """The policy named by cfg.policy; the entmtp ones take their trees and thresholds from `bank`."""
-    if cfg.policy not in POLICIES and cfg.policy not in BANK_POLICIES:
-        raise ValueError(f"unknown policy '{cfg.policy}'; choose one of {sorted([*POLICIES, *BANK_POLICIES])}")
+def make_policy(cfg: DecodingConfig) -> Policy:
+    """The policy named by cfg.policy, for the policies that need no bank."""
+    if cfg.policy not in POLICIES:
+        hint = " (it reads a topology bank: calibrate.bank.bank_policy)" if cfg.policy in BANK_POLICIES else ""
+        raise ValueError(f"unknown policy '{cfg.policy}'{hint}; choose one of {sorted([*POLICIES, *BANK_POLICIES])}")
     if cfg.tree and cfg.policy != "fixed":
         raise ValueError(f"--tree applies to --policy fixed only (got --policy {cfg.policy})")
-    if cfg.policy in BANK_POLICIES:
-        if bank is None:
-            raise ValueError(f"--policy {cfg.policy} needs a topology bank (--task or --bank)")
-        return BANK_POLICIES[cfg.policy](cfg, bank)
     return POLICIES[cfg.policy](cfg)

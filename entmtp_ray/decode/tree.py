@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from entmtp_ray.assets import asset
 
-Path_ = tuple[int, ...]
+TreePath = tuple[int, ...]  # child ranks from the root, one per depth; () is the root itself
+
+
+def path_order(path: TreePath) -> tuple[int, TreePath]:
+    """The canonical node order: by depth, then by ranks (a depth's nodes contiguous, grouped by parent)."""
+    return (len(path), path)
+
 
 # Trees shipped with the package (entmtp_ray/assets/trees/*.json, sources named inside each file).
 BUILTIN_TREE_FILES = {"hydra": "hydra.json", "medusa": "medusa.json"}
@@ -25,10 +32,16 @@ BUILTIN_TREE_FILES = {"hydra": "hydra.json", "medusa": "medusa.json"}
 
 @dataclass(frozen=True)
 class Topology:
-    """A validated, canonically ordered draft tree."""
+    """A validated, canonically ordered draft tree: the one identity of a tree for policies, banks,
+    growth and the decoder (two topologies are the same tree when name and paths are equal)."""
 
     name: str
-    paths: tuple[Path_, ...]  # sorted by (depth, path); the root is implicit
+    paths: tuple[TreePath, ...]  # sorted by path_order; the root is implicit
+
+    @cached_property
+    def path_set(self) -> frozenset[TreePath]:
+        """The paths as a set, for membership tests (greedy replay asks one per step)."""
+        return frozenset(self.paths)
 
     @property
     def num_nodes(self) -> int:
@@ -55,7 +68,7 @@ def make_topology(paths, name: str = "custom", max_depth: int | None = None) -> 
     closure (every proper prefix is listed), contiguous ranks (rank r implies ranks 0..r-1 at
     the same parent) and, when `max_depth` is given, depth <= max_depth (number of heads).
     """
-    canon: list[Path_] = []
+    canon: list[TreePath] = []
     for raw in paths:
         if not isinstance(raw, (list, tuple)) or not raw:
             raise ValueError(f"tree '{name}': path {raw!r} must be a non-empty list of child ranks")
@@ -82,7 +95,16 @@ def make_topology(paths, name: str = "custom", max_depth: int | None = None) -> 
                 f"tree '{name}': path {list(p)} has depth {len(p)} but the heads draft at most "
                 f"{max_depth} tokens; use a shallower tree or heads with more heads (--heads)"
             )
-    return Topology(name=name, paths=tuple(sorted(canon, key=lambda p: (len(p), p))))
+    return Topology(name=name, paths=tuple(sorted(canon, key=path_order)))
+
+
+def is_tree(paths) -> bool:
+    """Whether `paths` make a valid tree (make_topology's checks, without the message)."""
+    try:
+        make_topology(paths)
+    except ValueError:
+        return False
+    return True
 
 
 def chain_topology(depth: int) -> Topology:
@@ -157,7 +179,7 @@ def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> Tre
     depth_of = torch.zeros(n, dtype=torch.long)
     parent_of = torch.full((n,), -1, dtype=torch.long)
     mask = torch.eye(n, dtype=torch.bool)
-    children: dict[Path_, int] = {}
+    children: dict[TreePath, int] = {}
     for p, i in index.items():
         if not p:
             continue
@@ -170,7 +192,7 @@ def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> Tre
     leaves = [p for p in index if p not in children]
     width = topology.depth + 1
     retrieve = torch.full((len(leaves), width), -1, dtype=torch.long)
-    for row, leaf in enumerate(sorted(leaves, key=lambda p: (len(p), p))):
+    for row, leaf in enumerate(sorted(leaves, key=path_order)):
         for k in range(len(leaf) + 1):
             retrieve[row, k] = index[leaf[:k]]
 

@@ -21,25 +21,18 @@ import sys
 import time
 from pathlib import Path
 
-
 import pyarrow.parquet as pq
 import torch
 from pydantic import ValidationError
 
-from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
 from entmtp_ray.bench.compare import POLICIES, SYSTEMS, Bench, Prompt, bench_table, weight_read_seconds
+from entmtp_ray.bench.report import throughput_tables, write_report
+from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL, DecodingConfig, InputConfig, ModelConfig
+from entmtp_ray.model.loading import available_depth, draft_vocab_for
+from entmtp_ray.pipeline.assemble import BANK_POLICIES, load_stack
 from entmtp_ray.pipeline.engine import encode_checked
-from entmtp_ray.model.loading import (
-    available_depth,
-    draft_vocab_for,
-    load_model,
-    load_model_heads,
-    resolve_heads_path,
-)
-from entmtp_ray.decode.policy import BANK_POLICIES
-from entmtp_ray.bench.report import throughput_tables, write_report
 from entmtp_ray.pipeline.tasks import load_prompts
 
 
@@ -91,7 +84,8 @@ def main(argv=None) -> int:
             raise ValueError("the entmtp-* systems need a topology bank: pass --task or --bank")
         systems = choose_systems(args.systems, model_cfg.model, bank_path)
         drafts = any(s in POLICIES and s != "ar" for s in systems)
-        vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab) if drafts else None
+        if drafts:
+            draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
         subset = args.subset or ("eval" if args.task else "all")
         table = load_prompts(args.task, args.dataset, args.split, args.prompt_column, args.id_column,
                              args.messages_column, args.limit, args.seed, subset)
@@ -104,13 +98,12 @@ def main(argv=None) -> int:
 
     threads = args.threads or (bank.hardware.threads if bank is not None else torch.get_num_threads())
     torch.set_num_threads(threads)
-    loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
+    stack = load_stack(model_cfg, with_heads=drafts)
+    loaded = stack.loaded
     if bank is not None:
         warn_if_other_hardware(bank, current_hardware(loaded.device, loaded.dtype), bank_path)
-    heads = load_model_heads(loaded, model_cfg.heads) if drafts else None
-    heads_label = str(resolve_heads_path(model_cfg.model, model_cfg.heads)) if drafts else None
-    bench = Bench(loaded, systems, args.task, bank, heads, vocab, model_cfg.model, heads_label,
-                  str(bank_path) if bank_path else None, threads, args.seed)
+    bench = Bench(stack, systems, args.task, bank, model_cfg.model, str(bank_path) if bank_path else None, threads,
+                  args.seed)
     prompts = []
     for row in table.select(["id", "prompt", "_messages", "_input_error"]).to_pylist():
         ids, error = None, row["_input_error"]
@@ -133,7 +126,7 @@ def main(argv=None) -> int:
     ar_steps = sum(r["steps"] for r in ar_greedy)
     setup = {"machine": current_hardware(loaded.device, loaded.dtype).machine, "device": str(loaded.device),
              "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads,
-             "draft vocabulary": len(vocab) if vocab else "full", "weights MB": round(weight_bytes / 1e6),
+             "draft vocabulary": stack.draft_vocab_size or "full", "weights MB": round(weight_bytes / 1e6),
              "weights read once (ms)": round(1e3 * floor_s, 2),
              "read GB/s": round(weight_bytes / floor_s / 1e9, 1)}
     if ar_steps:

@@ -1,5 +1,5 @@
 """Engine micro-benchmark on one machine (no Ray): same-code AR vs transformers `generate`, the
-per-step cost outside the base model's forward, and the cost of verifying n tree nodes.
+per-step cost of each phase of the decode loop, and the cost of verifying n tree nodes.
 
     python jobs/bench_engine.py --prompts-file examples/bench_prompts.jsonl --repeats 3
     python jobs/bench_engine.py --dtype bf16 --threads 2 --trees ar gsm8k-n5 hydra --bank banks/smollm2-135m-instruct/gsm8k.json
@@ -11,7 +11,6 @@ repeats. The last stdout line is a JSON summary.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -19,51 +18,14 @@ from collections import defaultdict
 
 import torch
 
-from entmtp_ray.decode import loop as decoding
 from entmtp_ray.calibrate.bank import load_bank
-from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.config import DecodingConfig, ModelConfig
+from entmtp_ray.decode.loop import PHASES, SpecDecoder
+from entmtp_ray.decode.policy import FixedTree
+from entmtp_ray.decode.tree import Topology, build_buffers, load_topology, make_topology
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden, linear
-from entmtp_ray.model.loading import draft_vocab_for, load_model, load_model_heads
-from entmtp_ray.decode.policy import FixedTree
-from entmtp_ray.decode.tree import build_buffers, load_topology, make_topology
-
-
-class Timers:
-    """Wraps functions the decode loop calls and records each call's wall time."""
-
-    def __init__(self):
-        self.calls = defaultdict(list)
-
-    def timed(self, fn, label):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.calls[label].append(time.perf_counter() - start)
-            return out
-
-        return timed
-
-    def wrapped(self, obj, label):
-        """`obj` (e.g. a Projection) with its calls timed and its attributes intact."""
-        return _TimedObject(obj, self.timed(obj, label))
-
-    def wrap(self, owner, name, label):
-        original = getattr(owner, name)
-        setattr(owner, name, self.timed(original, label))
-        return original
-
-
-class _TimedObject:
-    def __init__(self, inner, timed_call):
-        self._inner, self._call = inner, timed_call
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+from entmtp_ray.pipeline.assemble import load_stack
 
 
 def hf_generate_tps(loaded, ids, max_new):
@@ -74,7 +36,7 @@ def hf_generate_tps(loaded, ids, max_new):
 
 def ar_vs_generate(loaded, prompts, max_new, repeats):
     cfg = DecodingConfig(policy="ar", max_new_tokens=max_new)
-    decoder = SpecDecoder(loaded, None, FixedTree("ar", "ar"))
+    decoder = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))
     ours, hf = [], []
     for _ in range(repeats):
         for ids in prompts:
@@ -83,40 +45,22 @@ def ar_vs_generate(loaded, prompts, max_new, repeats):
     return statistics.median(ours), statistics.median(hf)
 
 
-def step_breakdown(loaded, heads, draft_vocab, prompts, max_new, name, tree):
-    """Mean ms per step: base forward, lm_head, drafting, the heads' prefix layer (advance), and
-    everything else. `tree`: a tree name or a Topology."""
-    timers = Timers()
-    prepare = decoding.prepare
-    originals = [timers.wrap(decoding, "forward_hidden", "base_forward"),
-                 prepare,
-                 timers.wrap(HydraDrafter, "draft", "draft"),
-                 timers.wrap(HydraDrafter, "advance", "advance")]
-    # the decoder calls the lm_head through its plan: time the plan's
-    def timed_prepare(model):
-        plan = prepare(model)
-        return dataclasses.replace(plan, lm_head=timers.wrapped(plan.lm_head, "lm_head"))
-
-    decoding.prepare = timed_prepare
-    try:
-        drafter = HydraDrafter(heads, loaded.model, draft_vocab) if name != "ar" else None
-        decoder = SpecDecoder(loaded, drafter, FixedTree(name, tree))
-        decoder.generate(prompts[0], DecodingConfig(policy="ar", max_new_tokens=8))  # warm-up
-        cfg = DecodingConfig(policy="ar", max_new_tokens=max_new)
-        steps, decode_s, parts = 0, 0.0, defaultdict(float)
-        for ids in prompts:
-            timers.calls.clear()
-            result = decoder.generate(ids, cfg)
-            steps += len(result.steps)
-            decode_s += result.decode_s
-            for label, calls in timers.calls.items():
-                # the prefill makes the first base forward, lm_head and advance call; they are no step
-                parts[label] += sum(calls[1:] if label in ("base_forward", "lm_head", "advance") else calls)
-    finally:
-        decoding.forward_hidden, decoding.prepare, HydraDrafter.draft, HydraDrafter.advance = originals
-    per_step = {k: 1e3 * v / steps for k, v in parts.items()}
+def step_breakdown(loaded, drafter, prompts, max_new, tree: Topology) -> dict[str, float]:
+    """Mean ms per step of each phase of the decode loop (PHASES: choose, draft, verify, accept, commit,
+    observe), from the decoder's own profile, plus the whole step as generate timed it."""
+    decoder = SpecDecoder(loaded, drafter if tree.depth > 0 else None, FixedTree(tree.name, tree))
+    decoder.generate(prompts[0], DecodingConfig(policy="ar", max_new_tokens=8))  # warm-up
+    cfg = DecodingConfig(policy="ar", max_new_tokens=max_new)
+    steps, decode_s, parts = 0, 0.0, defaultdict(float)
+    for ids in prompts:
+        result = decoder.generate(ids, cfg, profile=True)
+        steps += len(result.steps)
+        decode_s += result.decode_s
+        for step in result.steps:
+            for phase, seconds in step.seconds.items():
+                parts[phase] += seconds
+    per_step = {phase: 1e3 * parts[phase] / steps for phase in PHASES}
     per_step["step_total"] = 1e3 * decode_s / steps
-    per_step["outside_base_forward"] = per_step["step_total"] - per_step.get("base_forward", 0.0)
     return per_step
 
 
@@ -151,7 +95,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts-file", default="examples/bench_prompts.jsonl")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped ones; "
                         "'untrained' = random heads)")
@@ -170,19 +114,18 @@ def main(argv=None) -> int:
                 load_topology(name)
             except (ValueError, OSError) as exc:
                 parser.error(f"--trees {name}: {exc}" + ("" if bank else "; bank trees need --bank FILE"))
-    loaded = load_model("smollm2-135m-instruct", dtype=args.dtype, device="cpu")
-    heads = load_model_heads(loaded, args.heads)
-    draft_vocab = draft_vocab_for("smollm2-135m-instruct", args.heads, None)
+    stack = load_stack(ModelConfig(heads=args.heads, dtype=args.dtype, device="cpu"), with_heads=True)
+    loaded = stack.loaded
     with open(args.prompts_file) as f:
         prompts = [loaded.encode_prompt(json.loads(line)["prompt"]) for line in f if line.strip()]
-    decoder = SpecDecoder(loaded, None, FixedTree("ar", "ar"))
+    decoder = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))
     decoder.generate(prompts[0], DecodingConfig(policy="ar", max_new_tokens=16))  # warm-up
     hf_generate_tps(loaded, prompts[0], 16)
 
     ours, hf = ar_vs_generate(loaded, prompts, args.max_new_tokens, args.repeats)
     print(f"AR tokens/s median: ours {ours:.1f}, transformers generate {hf:.1f}, ratio {ours / hf:.2f}x")
-    breakdown = {name: step_breakdown(loaded, heads, draft_vocab, prompts[:3], args.max_new_tokens, name,
-                                      bank.topology(name) if name in names else name)
+    breakdown = {name: step_breakdown(loaded, stack.drafter, prompts[:3], args.max_new_tokens,
+                                      bank.topology(name) if name in names else load_topology(name))
                  for name in args.trees}
     for tree, parts in breakdown.items():
         print(f"per-step ms ({tree}): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
@@ -196,7 +139,4 @@ def main(argv=None) -> int:
     print(json.dumps({"ar_tokens_per_s": ours, "hf_generate_tokens_per_s": hf, "ar_over_hf": ours / hf,
                       "per_step_ms": breakdown, "verify_ms": costs, "verify_relative": relative,
                       "dtype": args.dtype, "threads": torch.get_num_threads()}))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

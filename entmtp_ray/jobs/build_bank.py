@@ -31,18 +31,18 @@ from pathlib import Path
 import pyarrow.dataset as pads
 import torch
 
-from entmtp_ray.calibrate.bank import (Bank, BankTree, candidate_trees, choose_policies, current_hardware,
-                              replay_all, save_bank)
+from entmtp_ray.assets import asset
+from entmtp_ray.calibrate.bank import Bank, BankTree, current_hardware, save_bank
+from entmtp_ray.calibrate.growth import AcceptanceTable, accepted_lengths, grow_trees, pareto_frontier
 from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout
+from entmtp_ray.calibrate.sweep import candidate_trees, choose_policies, replay_all
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
-from entmtp_ray.decode.loop import SpecDecoder, row_generator
-from entmtp_ray.pipeline.engine import Engine
-from entmtp_ray.calibrate.growth import AcceptanceTable, accepted_lengths, grow_trees, pareto_frontier
-from entmtp_ray.assets import asset
+from entmtp_ray.decode.loop import row_generator
 from entmtp_ray.decode.policy import FixedTree
+from entmtp_ray.decode.tree import Topology
+from entmtp_ray.pipeline.engine import Engine
 from entmtp_ray.pipeline.tasks import TASKS, load_prompts
-from entmtp_ray.decode.tree import make_topology
 
 MAX_RANKS = (16, 8, 8, 8, 8)  # ranks kept per depth; a tree never needs more children than these
 
@@ -76,7 +76,7 @@ def measure_tables(engine: Engine, rollout_dir: Path, work: Path) -> list[Rollou
     return measured
 
 
-def step_seconds(engine: Engine, trees: dict[str, frozenset], prompts: list[str], new_tokens: int,
+def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str], new_tokens: int,
                  work: Path) -> tuple[dict[str, float], float]:
     """Seconds per decoding step of each tree (median over prompts), and mean prefill seconds.
 
@@ -92,9 +92,8 @@ def step_seconds(engine: Engine, trees: dict[str, frozenset], prompts: list[str]
         return {name: saved["steps"][name] for name in trees}, sum(prefill) / len(prefill)
     cfg = DecodingConfig(policy="fixed", tree="ar", max_new_tokens=new_tokens)
     decoders = {}
-    for name, paths in trees.items():
-        topology = make_topology(sorted(paths, key=lambda p: (len(p), p)), name)
-        decoders[name] = SpecDecoder(engine.loaded, engine.decoder.drafter, FixedTree(name, topology))
+    for name, topology in trees.items():
+        decoders[name] = engine.stack.decoder(FixedTree(name, topology))
         decoders[name].generate(engine.encode(prompts[0]), cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
     names = list(trees)
     rounds: list[dict[str, float]] = saved.get("rounds", [])  # per prompt: tree -> seconds per step
@@ -169,12 +168,12 @@ def main(argv=None) -> int:
     seconds, prefill = step_seconds(engine, trees, prompts, min(64, args.max_new_tokens), work)
 
     stats = {}
-    lengths = [accepted_lengths(r.rows, trees) for r in measured]  # every tree's replay, shared by the sweep
-    for name, paths in trees.items():
-        r = replay_all(measured, FixedTree(name, name), trees, seconds, prefill * len(measured), lengths)
-        stats[name] = {"tau": r.tau, "tokens_per_s": r.tokens_per_s, "tau_grown": table_.accepted_length(paths)}
+    lengths = [accepted_lengths(r.rows, trees.values()) for r in measured]  # every tree's replay, for the sweep
+    for name, tree in trees.items():
+        r = replay_all(measured, FixedTree(name, tree), seconds, prefill * len(measured), lengths)
+        stats[name] = {"tau": r.tau, "tokens_per_s": r.tokens_per_s, "tau_grown": table_.accepted_length(tree.paths)}
     names = list(trees)
-    frontier = [names[i] for i in pareto_frontier([(len(trees[n]) + 1, stats[n]["tau"]) for n in names])]
+    frontier = [names[i] for i in pareto_frontier([(trees[n].num_nodes, stats[n]["tau"]) for n in names])]
     policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier, lengths=lengths)
     bank = Bank(
         model=Path(args.model).name, heads=project_relative(engine.heads_label), task=args.task,
@@ -182,9 +181,7 @@ def main(argv=None) -> int:
         calibration={"source": args.dataset or args.task, "subset": "tune", "prompts": len(measured),
                      "seed": args.seed, "max_new_tokens": args.max_new_tokens, "positions": table_.rows},
         created=datetime.date.today().isoformat(),
-        trees=[BankTree(name=n, paths=[list(p) for p in sorted(trees[n], key=lambda p: (len(p), p))],
-                        nodes=len(trees[n]) + 1, tau_grown=stats[n]["tau_grown"], tau=stats[n]["tau"],
-                        tokens_per_s=stats[n]["tokens_per_s"]) for n in frontier],
+        trees=[BankTree.of(trees[n], **stats[n]) for n in frontier],
         policy=policy)
     save_bank(bank, args.out)
     (work / "sweep.json").write_text(json.dumps(figures, indent=1))

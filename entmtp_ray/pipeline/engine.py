@@ -9,48 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
-from entmtp_ray.calibrate.bank import Bank, current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.decode.loop import GenerationResult, HydraDrafter, SpecDecoder, row_generator
-from entmtp_ray.model.loading import (
-    UNTRAINED_HEADS,
-    LoadedModel,
-    available_depth,
-    draft_vocab_for,
-    load_model,
-    load_model_heads,
-    resolve_heads_path,
-)
-from entmtp_ray.decode.policy import BANK_POLICIES, Policy, make_policy
-from entmtp_ray.pipeline.records import error_row, result_row
-from entmtp_ray.decode.tree import load_topology, make_topology
+from entmtp_ray.decode.loop import GenerationResult, row_generator
+from entmtp_ray.model.loading import LoadedModel
+from entmtp_ray.pipeline.assemble import load_stack, plan, warn_if_bank_elsewhere
+from entmtp_ray.pipeline.records import RowContext, error_row, result_row
 
 log = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "Say hello."
-
-
-def preflight(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[Policy, bool, Path | None, Bank | None]:
-    """Every config check that needs no model: policy, bank, tree files, heads directory and depth.
-
-    Returns the policy, whether it drafts (needs heads), and the bank's path and contents (None
-    unless an entmtp policy). Raises ValueError/FileNotFoundError naming the fix.
-    """
-    bank_path = bank = None
-    if decoding.policy in BANK_POLICIES:
-        bank_path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
-        bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
-    policy = make_policy(decoding, bank)
-    topologies = [load_topology(spec) for spec in policy.trees()]
-    needs_heads = any(t.depth > 0 for t in topologies)
-    if needs_heads:
-        depth = available_depth(model_cfg.model, model_cfg.heads)
-        for topology in topologies:
-            make_topology(topology.paths, topology.name, max_depth=depth)
-        draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
-    return policy, needs_heads, bank_path, bank
 
 
 def encode_checked(loaded: LoadedModel, prompt, max_input_tokens: int) -> list[int]:
@@ -73,23 +41,17 @@ class Engine:
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig):
         self.model_cfg = model_cfg
         self.decoding = decoding
-        policy, needs_heads, bank_path, bank = preflight(model_cfg, decoding)
-        self.loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
-        drafter = None
-        self.heads_label = None
-        self.draft_vocab_size = 0  # 0 = drafts over the full vocabulary
-        if needs_heads:
-            heads = load_model_heads(self.loaded, model_cfg.heads)
-            vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
-            drafter = HydraDrafter(heads, self.loaded.model, vocab)
-            self.draft_vocab_size = len(vocab) if vocab else 0
-            self.heads_label = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
-                                else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
-        self.decoder = SpecDecoder(self.loaded, drafter, policy)
-        self.bank_label = str(bank_path) if bank_path else None
-        if bank is not None:
-            warn_if_other_hardware(bank, current_hardware(self.loaded.device, self.loaded.dtype), bank_path)
+        resolved = plan(model_cfg, decoding)
+        self.stack = load_stack(model_cfg, resolved.needs_heads)
+        self.loaded = self.stack.loaded
+        self.decoder = self.stack.decoder(resolved.policy)
+        self.bank_label = str(resolved.bank_path) if resolved.bank_path else None
+        warn_if_bank_elsewhere(self.stack, resolved)
         self.actor_id: str | None = None  # set by the Ray actor that owns this engine
+
+    @property
+    def heads_label(self) -> str | None:
+        return self.stack.heads_label
 
     def warm_up(self, max_new_tokens: int = 16) -> None:
         """One short generation outside any timed region (allocates caches, warms kernels)."""
@@ -106,11 +68,11 @@ class Engine:
         gen = row_generator(self.decoding.seed, row_id, self.loaded.device)
         return self.decoder.generate(ids, self.decoding, gen)
 
-    def _context(self, row_id, prompt) -> dict:
-        return {"id": row_id, "prompt": prompt if isinstance(prompt, str) or prompt is None else repr(prompt),
-                "model": self.model_cfg.model, "heads": self.heads_label, "decoding": self.decoding,
-                "max_depth": self.decoder.drafter.max_depth, "actor_id": self.actor_id, "bank": self.bank_label,
-                "started_at": time.time()}
+    def _context(self, row_id, prompt) -> RowContext:
+        return RowContext(id=row_id, prompt=prompt if isinstance(prompt, str) or prompt is None else repr(prompt),
+                          decoding=self.decoding, model=self.model_cfg.model, heads=self.heads_label,
+                          bank=self.bank_label, max_depth=self.decoder.drafter.max_depth, started_at=time.time(),
+                          actor_id=self.actor_id)
 
     def error_row(self, row_id, prompt, message: str) -> dict:
         """The output row of a row that cannot run (e.g. unreadable input)."""

@@ -1,10 +1,14 @@
-"""Output rows: a GenerationResult (or a failure) -> the row fields of DESIGN.md section 5,
-and the Arrow schema they are written with (so error rows and good rows share one type)."""
+"""Output rows: a GenerationResult (or a failure) and its RowContext -> the row fields of
+docs/design.md §5, and the Arrow schema they are written with (so error rows and good rows share
+one type)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pyarrow as pa
 
+from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.loop import GenerationResult
 
 OUTPUT_SCHEMA = pa.schema([
@@ -42,24 +46,39 @@ OUTPUT_SCHEMA = pa.schema([
 OUTPUT_COLUMNS = tuple(OUTPUT_SCHEMA.names)
 
 
-def _base(context: dict) -> dict:
-    decoding = context["decoding"]
+@dataclass(frozen=True)
+class RowContext:
+    """What a row says about how it was made, beside the generation itself."""
+
+    id: str
+    prompt: str | None  # the user message (chat turns: their repr)
+    decoding: DecodingConfig  # task, policy, temperature and acceptance come from here
+    model: str  # --model as the user gave it
+    heads: str | None  # the heads directory that drafted (None: no drafting)
+    bank: str | None  # the bank file the policy read (None: no bank)
+    max_depth: int  # draft depths the heads have: the length of accepted_per_position
+    started_at: float | None = None  # unix seconds when the row started
+    actor_id: str | None = None  # the Ray actor that decoded it (None outside Ray)
+
+
+def _base(context: RowContext) -> dict:
+    decoding = context.decoding
     return {
-        "id": context["id"],
+        "id": context.id,
         "task": decoding.task,
-        "prompt": context["prompt"],
+        "prompt": context.prompt,
         "policy": decoding.policy,
         "temperature": decoding.temperature,
         "acceptance": decoding.acceptance,
-        "model": context["model"],
-        "heads": context["heads"],
-        "bank": context.get("bank"),
-        "started_at": context.get("started_at"),
-        "actor_id": context.get("actor_id"),
+        "model": context.model,
+        "heads": context.heads,
+        "bank": context.bank,
+        "started_at": context.started_at,
+        "actor_id": context.actor_id,
     }
 
 
-def result_row(context: dict, result: GenerationResult) -> dict:
+def result_row(context: RowContext, result: GenerationResult) -> dict:
     return {
         **_base(context),
         "output_text": result.output_text,
@@ -70,7 +89,7 @@ def result_row(context: dict, result: GenerationResult) -> dict:
         "steps": len(result.steps),
         "verified_nodes": sum(s.nodes for s in result.steps),
         "mean_accepted_length": result.mean_accepted_length,
-        "accepted_per_position": result.accepted_per_position(context["max_depth"]),
+        "accepted_per_position": result.accepted_per_position(context.max_depth),
         "tree_usage": result.tree_usage(),
         "tree_switches": result.tree_switches(),
         "step_accepted_lengths": result.step_accepted_lengths(),
@@ -84,7 +103,7 @@ def result_row(context: dict, result: GenerationResult) -> dict:
     }
 
 
-def error_row(context: dict, error: str) -> dict:
+def error_row(context: RowContext, error: str) -> dict:
     return {
         **_base(context),
         "output_text": None,

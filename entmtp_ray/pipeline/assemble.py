@@ -1,0 +1,97 @@
+"""The one place a decoder is put together from configs: the policy (and its bank), the model, the
+heads and their drafter. The engine, the benchmark and the bank builder all assemble here.
+
+Checks that need no model run first (`plan`), so a broken config fails before any weight loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from entmtp_ray.calibrate.bank import (BANK_POLICIES, Bank, bank_policy, current_hardware, load_bank,
+                                       resolve_bank_path, warn_if_other_hardware)
+from entmtp_ray.config import DecodingConfig, ModelConfig
+from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.decode.policy import POLICIES, Policy, make_policy
+from entmtp_ray.decode.tree import make_topology
+from entmtp_ray.model.loading import (UNTRAINED_HEADS, LoadedModel, available_depth, draft_vocab_for, load_model,
+                                      load_model_heads, resolve_heads_path)
+
+ALL_POLICIES = sorted([*POLICIES, *BANK_POLICIES])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a decoding config resolves to before any model loads."""
+
+    policy: Policy
+    needs_heads: bool  # some tree of the policy drafts
+    bank_path: Path | None  # the bank an entmtp policy reads (None otherwise)
+    bank: Bank | None
+
+
+def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
+    """The policy named by decoding.policy; the entmtp ones take their trees and thresholds from `bank`."""
+    if decoding.policy in BANK_POLICIES:
+        if bank is None:
+            raise ValueError(f"--policy {decoding.policy} needs a topology bank (--task or --bank)")
+        return bank_policy(decoding, bank)
+    if decoding.policy not in POLICIES:
+        raise ValueError(f"unknown policy '{decoding.policy}'; choose one of {ALL_POLICIES}")
+    return make_policy(decoding)
+
+
+def plan(model_cfg: ModelConfig, decoding: DecodingConfig) -> Plan:
+    """Every config check that needs no model: policy, bank, tree files, heads directory and depth.
+    Raises ValueError/FileNotFoundError naming the fix."""
+    bank_path = bank = None
+    if decoding.policy in BANK_POLICIES:
+        bank_path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
+        bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
+    policy = policy_for(decoding, bank)
+    needs_heads = any(t.depth > 0 for t in policy.trees())
+    if needs_heads:
+        depth = available_depth(model_cfg.model, model_cfg.heads)
+        for topology in policy.trees():
+            make_topology(topology.paths, topology.name, max_depth=depth)
+        draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
+    return Plan(policy, needs_heads, bank_path, bank)
+
+
+@dataclass
+class Stack:
+    """A loaded model with (optionally) its heads' drafter: decoders for any policy share it."""
+
+    loaded: LoadedModel
+    drafter: HydraDrafter | None
+    heads_label: str | None  # the heads directory (or 'untrained'), for output rows
+    draft_vocab_size: int  # 0 = drafts over the full vocabulary
+
+    @property
+    def max_depth(self) -> int:
+        return self.drafter.max_depth if self.drafter is not None else 0
+
+    def decoder(self, policy: Policy) -> SpecDecoder:
+        """A decoder for `policy` on this model; a policy that never drafts gets no drafter (no heads' work)."""
+        drafts = any(t.depth > 0 for t in policy.trees())
+        return SpecDecoder(self.loaded, self.drafter if drafts else None, policy)
+
+
+def load_stack(model_cfg: ModelConfig, with_heads: bool) -> Stack:
+    """The model of `model_cfg`, and its heads and drafter when `with_heads`."""
+    loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
+    if not with_heads:
+        return Stack(loaded, None, None, 0)
+    heads = load_model_heads(loaded, model_cfg.heads)
+    vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
+    label = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
+             else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
+    return Stack(loaded, HydraDrafter(heads, loaded.model, vocab), label, len(vocab) if vocab else 0)
+
+
+def warn_if_bank_elsewhere(stack: Stack, resolved: Plan) -> None:
+    """A bank measured on other hardware still runs (its trees may just be slower here): warn once."""
+    if resolved.bank is not None:
+        warn_if_other_hardware(resolved.bank, current_hardware(stack.loaded.device, stack.loaded.dtype),
+                               resolved.bank_path)
