@@ -13,7 +13,8 @@ from entmtp_ray.decode.loop import HydraDrafter
 from entmtp_ray.model.heads import DRAFT_VOCAB_FILE, init_heads, load_draft_vocab, save_draft_vocab
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.heads import HeadPlan
-from entmtp_ray.model.llama import Projection, forward_hidden, fused_projections, linear, rotary_tables
+from entmtp_ray.model.llama import forward_hidden, rotary_tables
+from entmtp_ray.model.kernels import Projection, fused_projections, linear
 from entmtp_ray.decode.tree import build_buffers, load_topology
 
 from conftest import make_tiny_llama

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder, _verifier_stats
-from entmtp_ray.model.llama import forward_hidden, linear
+from entmtp_ray.model.llama import forward_hidden
+from entmtp_ray.model.kernels import linear
 
 NOT_RANKED = -1  # the true token is not within the ranks a tree could use at that depth
 

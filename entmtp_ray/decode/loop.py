@@ -20,7 +20,8 @@ from entmtp_ray.decode.acceptance import exact_accept, greedy_accept, next_token
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.model.heads import HeadsPlan, HydraHeads
 from entmtp_ray.model.kv_cache import KVCache
-from entmtp_ray.model.llama import ONE_TOKEN_ROWS, Projection, forward_hidden, prepare
+from entmtp_ray.model.llama import forward_hidden
+from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, Projection, prepare
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import Policy, Signal, make_signal
 from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_topology, load_topology

@@ -24,7 +24,8 @@ from entmtp_ray.decode.loop import PHASES, SpecDecoder
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology, build_buffers, load_topology, make_topology
 from entmtp_ray.model.kv_cache import KVCache
-from entmtp_ray.model.llama import forward_hidden, linear
+from entmtp_ray.model.llama import forward_hidden
+from entmtp_ray.model.kernels import linear
 from entmtp_ray.pipeline.assemble import load_stack
 
 

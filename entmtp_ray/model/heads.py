@@ -21,15 +21,8 @@ from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from entmtp_ray.model.kv_cache import KVCache
-from entmtp_ray.model.llama import (
-    LayerPlan,
-    Projection,
-    attention_mask,
-    decoder_layer,
-    linear,
-    projection,
-    rotary_tables,
-)
+from entmtp_ray.model.llama import attention_mask, decoder_layer, rotary_tables
+from entmtp_ray.model.kernels import LayerPlan, Projection, linear, projection
 
 CONFIG_FILE = "heads_config.json"
 WEIGHTS_FILE = "heads.safetensors"

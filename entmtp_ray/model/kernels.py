@@ -1,0 +1,235 @@
+"""The CPU kernel choices, in one place: how each projection of the forward is computed (packed
+oneDNN products, the one-row rules, the drafting GEMV), the fused q/k/v and gate/up weights, the
+caches of derived weights, and the per-generation plans that hold them. Why each choice, with its
+measurements: docs/design.md §8 (the § marks below cite it). On CUDA every product is plain
+F.linear. Knows nothing about attention, heads or trees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# A one-token step on packed (oneDNN bf16) weights runs as this many copies of the token, each
+# seeing the prefix and itself, so that its rows take the kernels a tree's rows take and node 0 of a
+# tree rounds as the one-token step does (§7, §8); fp32 needs no copies.
+ONE_TOKEN_ROWS = 4
+
+
+_TRANSPOSED_MAX_ROWS = 64  # up to here (W x^T)^T beats F.linear on CPU (§8, unpacked path)
+
+
+def matmul_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x [..., in]; on CPU with few rows computed as (W @ x^T)^T with >= 2 columns."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or rows > _TRANSPOSED_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    # contiguous rows: a transposed [in, rows] operand takes a path 5x slower (§8)
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    if rows == 1:
+        flat = flat.expand(2, -1).contiguous()
+    out = (weight @ flat.t()).t()[:rows]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _onednn_packing() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@dataclass(frozen=True)
+class Projection:
+    """y = x W^T + b with the fastest kernel this stack has for the weight's device and dtype.
+
+    bf16 on CPU: W prepacked once into oneDNN's blocked layout; a row rounds the same at every row
+    count (one row is computed as `_ONE_ROW_AS`), so a tree's projections round as a one-token step's
+    do. Autograd never takes the packed path (no backward); training gets `matmul_rows`. §8.
+    """
+
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None  # [out]
+    packed: torch.Tensor | None  # oneDNN layout of `weight`; None where it would not pay
+    source: tuple[int, int]  # weight_key(weight) when built: a weight replaced or updated in place since is noticed
+    # one-row products through ATen's native bf16 GEMV: faster, but rounding unlike multi-row products,
+    # so for drafting only, whose rounding no output depends on (§8, the mkldnn toggle)
+    draft_gemv: bool = False
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
+        packed = None
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packing():
+            with torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        return cls(weight, bias, packed, weight_key(weight))
+
+    def for_drafting(self) -> Projection:
+        """This projection with one-row products through the faster GEMV (`draft_gemv`)."""
+        return dataclasses.replace(self, draft_gemv=self.packed is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and not torch.is_grad_enabled():
+            if x.numel() == x.shape[-1]:
+                if self.draft_gemv:
+                    return _native_gemv(x, self.weight, self.bias)
+                # one row, computed as 4 so that it rounds as a tree's rows do
+                rows = x.reshape(1, -1).expand(_ONE_ROW_AS, -1).contiguous()
+                out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+                return out[:1].view(*x.shape[:-1], -1)
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return matmul_rows(x, self.weight, self.bias)
+
+
+_ONE_ROW_AS = 4  # oneDNN's one-row kernel rounds unlike its multi-row one; four rows cost the same (§8)
+
+
+def _native_gemv(x, weight, bias):
+    """F.linear of one row through ATen's own bf16 GEMV (oneDNN switched off for the call)."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+def weight_key(weight: torch.Tensor) -> tuple[int, int]:
+    """Where a weight lives and how often it was written in place: a derived tensor is stale when this changes."""
+    return weight.data_ptr(), weight._version
+
+
+def projection(layer: torch.nn.Linear) -> Projection:
+    """The layer's Projection, built on first use and again if its weight was replaced or updated."""
+    cached = layer.__dict__.get("_entmtp_projection")
+    if cached is None or cached.source != weight_key(layer.weight):
+        cached = Projection.of(layer.weight, layer.bias)
+        layer.__dict__["_entmtp_projection"] = cached
+    return cached
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """layer(x) through its Projection."""
+    return projection(layer)(x)
+
+
+@dataclass(frozen=True)
+class FusedProjections:
+    """One layer's q/k/v and gate/up weights, each pair of matmuls made one.
+
+    The module's own q/k/v/gate/up weights are re-pointed to views of these tensors, so memory
+    is not doubled; `source` holds the parts' weight keys, to notice a later `.to()` or in-place update
+    of any of them (a Parameter re-pointed at a view keeps its own version counter).
+    """
+
+    qkv: Projection  # H -> (heads + 2 * kv_heads) * head_dim
+    gate_up: Projection  # H -> 2 * I
+    source: tuple[tuple[int, int], ...]
+
+
+def _share(parts: list[torch.nn.Linear], fused: torch.Tensor, attribute: str) -> None:
+    start = 0
+    for part in parts:
+        rows = getattr(part, attribute).shape[0]
+        getattr(part, attribute).data = fused[start:start + rows]
+        start += rows
+
+
+def _parts_key(parts: list[torch.nn.Linear]) -> tuple[tuple[int, int], ...]:
+    return tuple(weight_key(p.weight) for p in parts)
+
+
+def fused_projections(layer: torch.nn.Module) -> FusedProjections:
+    """The layer's FusedProjections, built on first use and again if its weights were replaced."""
+    attn, block = layer.self_attn, layer.mlp
+    qkv_parts, gate_up_parts = [attn.q_proj, attn.k_proj, attn.v_proj], [block.gate_proj, block.up_proj]
+    fused = layer.__dict__.get("_entmtp_fused")
+    if fused is not None and fused.source == _parts_key(qkv_parts + gate_up_parts):
+        return fused
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors: the weights stay usable for training
+        qkv = torch.cat([p.weight for p in qkv_parts])
+        bias = torch.cat([p.bias for p in qkv_parts]) if attn.q_proj.bias is not None else None
+        gate_up = torch.cat([p.weight for p in gate_up_parts])
+        _share(qkv_parts, qkv, "weight")
+        if bias is not None:
+            _share(qkv_parts, bias, "bias")
+        _share(gate_up_parts, gate_up, "weight")
+    fused = FusedProjections(Projection.of(qkv, bias), Projection.of(gate_up, None),
+                             _parts_key(qkv_parts + gate_up_parts))
+    layer.__dict__["_entmtp_fused"] = fused
+    return fused
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A LlamaRMSNorm's weight and epsilon, read once."""
+
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, norm: torch.nn.Module) -> Norm:
+        return cls(norm.weight, norm.variance_epsilon)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The module's output, rounding as it does (normalise in fp32, then cast back and scale), in one
+        fused kernel."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer's projections, norms and shapes, looked up once: a step reads them without
+    re-checking weights or walking module attributes (each nn.Module lookup is a Python call)."""
+
+    qkv: Projection
+    gate_up: Projection
+    o: Projection
+    down: Projection
+    input_norm: Norm
+    post_attention_norm: Norm
+    act: torch.nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> LayerPlan:
+        attn, fused = layer.self_attn, fused_projections(layer)
+        hd = attn.head_dim
+        return cls(fused.qkv, fused.gate_up, projection(attn.o_proj), projection(layer.mlp.down_proj),
+                   Norm.of(layer.input_layernorm), Norm.of(layer.post_attention_layernorm), layer.mlp.act_fn,
+                   attn.q_proj.out_features // hd, attn.k_proj.out_features // hd, hd, attn.scaling)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 without grouped-query attention), for `attention_mask`."""
+        return self.heads // self.kv_heads
+
+    def for_drafting(self) -> LayerPlan:
+        """This plan with one-row products through the faster GEMV (`Projection.draft_gemv`)."""
+        return dataclasses.replace(self, qkv=self.qkv.for_drafting(), gate_up=self.gate_up.for_drafting(),
+                                   o=self.o.for_drafting(), down=self.down.for_drafting())
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Every projection of a model's forward, checked against its weights once: the decoder prepares a
+    plan once per generation (checking every weight key per step would cost 2% of it, §8); weights
+    changed after that are picked up by the next `prepare`.
+    """
+
+    layers: tuple[LayerPlan, ...]
+    lm_head: Projection
+    norm: Norm
+
+
+def prepare(model) -> ModelPlan:
+    """The model's plan, with derived weights rebuilt for any weight replaced or updated since the last one."""
+    return ModelPlan(tuple(LayerPlan.of(layer) for layer in model.model.layers), projection(model.lm_head),
+                     Norm.of(model.model.norm))

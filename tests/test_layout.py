@@ -1,0 +1,53 @@
+"""The layout holds: imports run one way (config <- model <- decode <- calibrate <- pipeline <- train,
+bench <- cli, jobs), no import circle, config is a leaf that loads no framework, one module imports ray."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("import_graph_tool", ROOT / "tools" / "imports.py")
+imports = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(imports)
+
+LAYERS = ["config", "assets", "model", "decode", "calibrate", "pipeline", "train", "bench", "cli", "jobs", "__main__"]
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 else -1
+
+
+def test_imports_run_one_way_and_close_no_circle():
+    edges = imports.graph(ROOT / "entmtp_ray")
+    assert len(edges) > 30  # the tool found the package
+    upward = [(m, d) for m, deps in edges.items() for d in deps if layer(d) > layer(m)]
+    assert upward == [], f"imports against the layering {LAYERS}: {upward}"
+    assert imports.circles(edges) == []
+
+
+def test_the_tool_finds_a_circle_and_counts_levels(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from .a import x\n")  # a lazy import closes the circle
+    (package / "c.py").write_text("import pkg.a\n")
+    edges = imports.graph(package)
+    assert edges["pkg.a"] == {"pkg.b"} and edges["pkg.b"] == {"pkg.a"} and edges["pkg.c"] == {"pkg.a"}
+    assert imports.circles(edges) == [["pkg.a", "pkg.b"]]
+    assert imports.levels(edges)["pkg.c"] == 1
+
+
+def test_config_is_a_leaf_that_loads_no_framework_and_only_the_ray_stage_imports_ray():
+    probe = ("import sys, entmtp_ray.config; "
+             "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert imports.graph(ROOT / "entmtp_ray")["entmtp_ray.config"] == set()
+    users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "entmtp_ray").rglob("*.py")
+                   if any(line.strip().startswith(("import ray", "from ray")) for line in p.read_text().splitlines()))
+    assert users == ["entmtp_ray/pipeline/ray_stage.py"]
