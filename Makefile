@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast mutation setup clean
+.PHONY: demo test test-fast mutation docs setup clean
 
 setup: $(STAMP)
 
@@ -31,13 +31,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# the development loop: every in-process test (no real model, Ray or subprocess); about a minute
+# the development loop: every in-process test (no real model, Ray or subprocess); under a minute
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 # mutants of the algorithm modules against the fast loop; report in runs/mutation/report.md
 mutation: $(STAMP)
 	$(PY) tools/mutate.py -j 2
+
+# README.md's Flags section, regenerated from entmtp_ray/config.py (tests/test_cli.py checks it)
+docs: $(STAMP)
+	$(PY) -m entmtp_ray flags --readme README.md
 
 clean:
 	rm -rf $(VENV)

@@ -126,6 +126,22 @@ def flag_tables() -> str:
                        for c in (ModelConfig, DecodingConfig, InputConfig, JobConfig))
 
 
+FLAGS_BEGIN, FLAGS_END = "<!-- flags:begin -->", "<!-- flags:end -->"
+
+
+def readme_flag_tables(text: str) -> str:
+    """The generated part of a README: the text between the flags markers, stripped."""
+    if FLAGS_BEGIN not in text or FLAGS_END not in text:
+        raise ValueError(f"no {FLAGS_BEGIN} ... {FLAGS_END} section")
+    return text.split(FLAGS_BEGIN, 1)[1].split(FLAGS_END, 1)[0].strip()
+
+
+def write_flag_tables(readme: Path) -> None:
+    text = readme.read_text()
+    old = readme_flag_tables(text)
+    readme.write_text(text.replace(old, flag_tables(), 1))
+
+
 def quiet_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     transformers_logging.disable_progress_bar()
@@ -156,10 +172,14 @@ def main(argv=None) -> int:
     ev.add_argument("--seed", type=int, default=123)
     ev.add_argument("--output", default=None, help="also write the JSON report here")
     ev.add_argument("--threads", type=int, default=None)
-    sub.add_parser("flags", help="print the flag tables of every config (Markdown, as in README.md)")
+    flags = sub.add_parser("flags", help="print the flag tables of every config (Markdown, as in README.md)")
+    flags.add_argument("--readme", default=None, help="rewrite the tables between the flags markers of this file")
     args = parser.parse_args(argv)
     if args.command == "flags":
-        print(flag_tables())
+        if args.readme:
+            write_flag_tables(Path(args.readme))
+        else:
+            print(flag_tables())
         return 0
     quiet_logging()
     if args.threads:

@@ -84,3 +84,43 @@ def test_tree_deeper_than_heads_fails_at_start(tmp_path):
 def test_missing_heads_directory_names_the_flag(tmp_path):
     proc = run_cli("--prompt", "hi", "--policy", "hydra", "--heads", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "--heads" in proc.stderr
+
+
+# ---- command lines generated from the configs -------------------------------------------------------
+
+def test_flags_come_from_the_config_fields_with_their_types_choices_and_defaults():
+    import argparse
+
+    from pydantic import ValidationError
+
+    from entmtp_ray.cli import add_config_args, config_from_args
+    from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
+
+    parser = argparse.ArgumentParser()
+    for config in (ModelConfig, DecodingConfig, JobConfig):
+        add_config_args(parser, config)
+    args = parser.parse_args(["--output", "out", "--dtype", "bf16", "--max-new-tokens", "7", "--trace-signal",
+                              "--draft-vocab", "0", "--temperature", "0.5", "--acceptance", "exact"])
+    decoding = config_from_args(DecodingConfig, args)
+    assert (decoding.max_new_tokens, decoding.trace_signal, decoding.temperature) == (7, True, 0.5)
+    assert config_from_args(ModelConfig, args).dtype == "bf16" and config_from_args(ModelConfig, args).draft_vocab == 0
+    assert config_from_args(JobConfig, args).output == "out"
+    assert config_from_args(DecodingConfig, parser.parse_args(["--output", "o"])) == DecodingConfig()
+    for bad in (["--dtype", "fp8"], ["--acceptance", "maybe"], ["--max-new-tokens", "x"], []):  # [] lacks --output
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--output", "o", *bad] if bad else bad)
+    with pytest.raises(ValidationError, match="needs --temperature 0"):  # the config's own checks still run
+        config_from_args(DecodingConfig, parser.parse_args(["--output", "o", "--temperature", "0.7"]))
+    some = argparse.ArgumentParser()
+    add_config_args(some, DecodingConfig, only=("seed", "max_new_tokens"), defaults={"max_new_tokens": 128})
+    assert vars(some.parse_args([])) == {"seed": 123, "max_new_tokens": 128}
+
+
+def test_the_readme_flag_tables_are_the_generated_ones():
+    from pathlib import Path
+
+    from entmtp_ray.cli import flag_tables, readme_flag_tables
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert readme_flag_tables(readme) == flag_tables().strip(), "README.md's flags are stale: run `make docs`"
+    assert "| `--max-new-tokens` | `256` |" in flag_tables() and "`vicuna_v1.1`" in flag_tables()

@@ -66,7 +66,7 @@ def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torc
     p(x) > min(epsilon, alpha * exp(-H(p))), p the verifier distribution at `temperature`.
 
     The longest accepted prefix wins; ties go to the highest summed log-probability.
-    Not distribution-preserving (see DESIGN.md section 2). At temperature 0 use greedy_accept.
+    Not distribution-preserving (docs/design.md §2). At temperature 0 use greedy_accept.
     """
     assert temperature > 0
     valid, parent_rows, child_tokens = _path_parts(tokens, row_of_node, retrieve)

@@ -90,7 +90,7 @@ def init_ray(job: JobConfig) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     # Ray Data's own read/split/write tasks need CPUs beside the actors; on a 2-core machine the
-    # checkpointing and scheduling deadlocked without headroom (DESIGN.md section 4).
+    # checkpointing and scheduling deadlocked without headroom (docs/design.md §4).
     actors_cpus = job.max_actors * job.cpus_per_actor
     ray.init(num_cpus=max(8, int(actors_cpus) + 4), include_dashboard=False)
 

@@ -1,6 +1,6 @@
 """Hydra++ head training: chat sequences -> frozen base hidden states -> per-head soft cross-entropy.
 
-The recipe of DESIGN.md section 3: the base model is frozen; head i at position t reads the
+The recipe of docs/design.md §3: the base model is frozen; head i at position t reads the
 prefix layer's context h_t and the embeddings of tokens t+1..t+1+i and is trained towards the
 base model's own next-token distribution for token t+i+2 (teacher weight 1, ground truth 0),
 on target (assistant) tokens only. No Ray, no decoding here.
