@@ -48,7 +48,7 @@ def add_config_args(parser: argparse.ArgumentParser, config: type[BaseModel], on
         default = (defaults or {}).get(name, field.default)
         help_text = (field.description or "").replace("%", "%%")
         if kind is bool:
-            group.add_argument(flag, action="store_true", default=default, help=help_text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif field.is_required() and name not in (defaults or {}):
             group.add_argument(flag, type=kind, choices=choices, required=True, help=help_text)
         else:

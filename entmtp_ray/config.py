@@ -18,12 +18,14 @@ class ModelConfig(BaseModel):
     model: str = Field(EMBEDDED_MODEL, description="hub id, local directory, or the embedded default")
     heads: str | None = Field(None, description="heads directory (ours or a published Hydra checkpoint); "
                               "default: the heads shipped for --model; 'untrained' = random heads")
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="fp32 | bf16 | fp16; auto = fp16 on CUDA; on CPU bf16 where the CPU "
-                       "has native bf16 (a tree step costs a third of fp32's, an AR step about the same), else fp32. "
-                       "Greedy output is exact for the dtype: it equals greedy decoding in that dtype")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto = fp16 on CUDA; on CPU bf16 where the CPU has native bf16 (a tree step costs a "
+        "third of fp32's, an AR step about the same), else fp32. Greedy output equals greedy decoding in that dtype "
+        "(bf16/fp16: except at float ties; bit-stable labels need fp32)")
     device: str = Field("auto", description="cpu | cuda[:N] | auto")
-    chat_format: Literal["auto", "template", "vicuna_v1.1", "raw"] = Field("auto", description="template (tokenizer's own) | vicuna_v1.1 | raw; auto picks "
-                             "vicuna_v1.1 for Vicuna models, else the tokenizer's template when it has one")
+    chat_format: Literal["auto", "template", "vicuna_v1.1", "raw"] = Field(
+        "auto", description="template = the tokenizer's own; auto picks vicuna_v1.1 for Vicuna models, else the "
+        "tokenizer's template when it has one")
     draft_vocab: int | None = Field(
         None, ge=0, description="draft over the K tokens most frequent in the heads' training text "
         "(draft_vocab.json beside the heads): each draft depth's vocabulary projection costs K/V of the full one, "

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from entmtp_ray.cli import quiet_logging
+from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.model.heads import init_heads
-from entmtp_ray.config import EMBEDDED_MODEL
+from entmtp_ray.config import ModelConfig
 from entmtp_ray.model.loading import load_model, machine_name
 from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, evaluate,
                                  generated_conversations, sharegpt_conversations, train)
@@ -30,9 +30,9 @@ from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, evaluate,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=EMBEDDED_MODEL)
-    p.add_argument("--dtype", default="bf16", help="dtype of the frozen base model while training (bf16: the "
-                   "teacher and hidden states at half the cost on CPU; heads train in fp32 under --bf16 autocast)")
+    # the frozen base model in bf16 by default: the teacher and hidden states at half the cost on CPU (heads
+    # train in fp32 under --bf16 autocast)
+    add_config_args(p, ModelConfig, only=("model", "dtype"), defaults={"dtype": "bf16"})
     p.add_argument("--out", required=True, help="directory for the heads, checkpoints and model card")
     p.add_argument("--sharegpt", type=int, default=2000, help="ShareGPT conversations to train on")
     p.add_argument("--self-distill", nargs="*", default=[], help="jobs/generate.py output directories")
@@ -47,18 +47,12 @@ def main(argv=None) -> int:
                    "of sharing the base lm_head")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true")
-    for name, field in TrainConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.description)
-        else:
-            kind = float if "float" in str(field.annotation) else int
-            p.add_argument(flag, type=kind, default=field.default, help=field.description)
+    add_config_args(p, TrainConfig)
     args = p.parse_args(argv)
     quiet_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = TrainConfig(**{name: getattr(args, name) for name in TrainConfig.model_fields})
+    cfg = config_from_args(TrainConfig, args)
     started = time.time()
 
     loaded = load_model(args.model, dtype=args.dtype)

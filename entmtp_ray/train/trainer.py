@@ -31,6 +31,8 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 
 class TrainConfig(BaseModel):
+    """The heads' training run: schedule, batches, checkpoints (the recipe: docs/design.md §3)."""
+
     lr: float = Field(5e-4, gt=0, description="AdamW peak learning rate (Hydra++ recipe)")
     warmup_steps: int = Field(50, ge=0, description="linear warm-up before the cosine decay")
     steps: int = Field(1000, ge=1, description="optimizer steps in the schedule")
