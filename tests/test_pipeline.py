@@ -157,9 +157,8 @@ def test_node_removed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
     ray.init(address=cluster.address)
     thread = None
     try:
-        job = JobConfig(dataset=str(data), prompt_column="text", id_column="uid", output=str(tmp_path / "out"),
-                        cpus_per_actor=3, address=cluster.address)
-        table = load_prompts(None, job.dataset, prompt_column="text", id_column="uid")
+        job = JobConfig(output=str(tmp_path / "out"), cpus_per_actor=3, address=cluster.address)
+        table = load_prompts(None, str(data), prompt_column="text", id_column="uid")
         model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir))
         decoding = DecodingConfig(policy="ar", max_new_tokens=40)
         result = {}

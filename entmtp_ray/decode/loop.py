@@ -21,7 +21,7 @@ from entmtp_ray.config import DecodingConfig
 from entmtp_ray.model.heads import HeadsPlan, HydraHeads
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
-from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, Projection, prepare
+from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan, Projection, prepare
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import Policy, Signal, make_signal
 from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_topology, load_topology
@@ -217,7 +217,7 @@ class Request:
     cfg: DecodingConfig
     generator: torch.Generator | None
     capacity: int  # positions the caches hold for this request
-    plan: object  # the model's inference plan (llama.prepare), checked once per generation
+    plan: ModelPlan  # the model's projections and norms (kernels.prepare), checked once per generation
     root: int  # the next token, already chosen: the root of the next tree
     output: list[int]  # emitted tokens (EOS included when it stopped on one)
     finish: str | None  # None while running, else the finish reason
@@ -348,7 +348,7 @@ class SpecDecoder:
         # 6) let the policy (and the signal) see the step
         trace = self.observe(request, verified, accepted, last_logits, emitted, signal)
         clock.mark("observe")
-        request.schedule_s += clock.seconds["choose"] + clock.seconds["observe"]
+        request.schedule_s += sum(clock.seconds[phase] for phase in SCHEDULING)
         if request.profile:
             trace.seconds = clock.seconds
         return trace
