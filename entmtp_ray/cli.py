@@ -16,7 +16,7 @@ from transformers.utils import logging as transformers_logging
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.engine import Engine
-from entmtp_ray.pipeline.tasks import LINE_ERROR, read_jsonl
+from entmtp_ray.pipeline.tasks import LINE_ERROR, LINE_ID, read_jsonl
 
 ConfigT = typing.TypeVar("ConfigT", bound=BaseModel)
 
@@ -80,7 +80,7 @@ def read_prompts(args) -> list[tuple[str, object, str | None]]:
     if args.prompt is not None:
         return [("prompt-0", args.prompt, None)]
     rows = read_jsonl(Path(args.prompts_file))
-    return [(str(row.get("id", f"line-{n}")), row.get("prompt"), row.get(LINE_ERROR))
+    return [(str(row.get("id", row.get(LINE_ID, f"line-{n}"))), row.get("prompt"), row.get(LINE_ERROR))
             for n, row in enumerate(rows, start=1)]
 
 

@@ -103,10 +103,13 @@ def test_job_writes_every_row_once_with_stats_and_input_columns(tiny_model_dirs,
 
 
 @pytest.mark.slow
-def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("kind", ["exit", "broken"])
+def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path, kind):
+    """An actor that dies mid-row (exit), or whose engine reports itself broken (as out of memory or a
+    CUDA error would: the actor ends itself), is restarted and its row retried: every row once."""
     data = write_prompts(tmp_path / "prompts.jsonl", 8)
     marker = tmp_path / "crashed"
-    env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q3", "ENTMTP_FAULT_MARKER": str(marker)}
+    env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q3", "ENTMTP_FAULT_MARKER": str(marker), "ENTMTP_FAULT_KIND": kind}
     proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "ar"), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
@@ -140,6 +143,24 @@ def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own
     assert all(r["started_at"] == first[r["id"]] for r in rows if r["id"] in first), "finished rows were redone"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["rows"] == 16 and summary["duplicates"] == 0
+
+
+@pytest.mark.slow
+def test_resume_into_an_output_of_other_settings_is_refused_and_names_them(tiny_model_dirs, tmp_path):
+    data = write_prompts(tmp_path / "prompts.jsonl", 3)
+    out = tmp_path / "out"
+    args = job_args(tiny_model_dirs, data, out, "--policy", "ar", "--max-new-tokens", "4")
+    assert run_job(args).returncode == 0
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["settings"]["decoding"]["policy"] == "ar" and manifest["version"]
+    assert len(read_output(out)) == 3  # the manifest is no data file to readers of the folder
+    proc = run_job(args + ["--resume", "--temperature", "0.7", "--acceptance", "exact"])
+    assert proc.returncode == 2
+    assert "decoding.temperature: 0.0 -> 0.7" in proc.stderr and "decoding.acceptance" in proc.stderr
+    assert len(read_output(out)) == 3
+    same = run_job(args + ["--resume", "--max-actors", "2"])  # the pool's shape is no setting of the rows
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert json.loads(same.stdout.strip().splitlines()[-1])["rows"] == 3
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, output_table
@@ -164,3 +165,27 @@ def test_an_ar_row_drafts_nothing_so_reports_no_positions_and_no_heads(tiny_mode
     row = engine.run("r", PROMPT)
     assert row["accepted_per_position"] == [] and row["heads"] is None and row["mean_accepted_length"] == 1.0
     assert dict(row["tree_usage"]) == {"ar": 3} and row["verified_nodes"] == 3 and row["tree_switches"] == 0
+
+
+@pytest.mark.parametrize("failure, broken", [
+    (KeyError("role"), False),  # e.g. a user's chat turns without the key the template reads
+    (TypeError("unsupported operand"), False),
+    (RuntimeError("shape mismatch in this row"), False),
+    (MemoryError(), True),
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+])
+def test_a_row_failure_is_its_error_and_a_broken_process_raises(fresh_engine, monkeypatch, failure, broken):
+    from entmtp_ray.pipeline.engine import EngineBroken
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(fresh_engine.decoder, "generate", fail)
+    if broken:
+        with pytest.raises(EngineBroken, match="row r1"):
+            fresh_engine.run("r1", "Say hi.")
+        return
+    row = fresh_engine.run("r1", "Say hi.")
+    assert row["finish_reason"] == "error" and row["error"] == f"{type(failure).__name__}: {failure}"
+    assert row["id"] == "r1" and row["prompt"] == "Say hi."

@@ -139,3 +139,36 @@ def test_tune_and_eval_subsets_partition_every_task(gsm8k_path):
     assert len(sampled) == 20 and sampled <= set(load_prompts("gsm8k", gsm8k_path, subset="eval").column("id").to_pylist())
     with pytest.raises(ValueError, match="unknown subset"):
         load_prompts("humaneval", None, subset="test")
+
+
+def test_a_task_with_a_dataset_reads_the_dataset_formatted_as_the_task(tmp_path):
+    """--task T --dataset D: D's rows (never the task's own prompts), formatted as T formats its own."""
+    from entmtp_ray.pipeline.tasks import HUMANEVAL_INSTRUCTION
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"uid": f"u{i}", "text": f"def f{i}():"}) + "\n" for i in range(3)))
+    chat = load_prompts("sharegpt", str(data), prompt_column="text", id_column="uid")
+    assert chat.column("id").to_pylist() == ["u0", "u1", "u2"]
+    assert chat.column("prompt").to_pylist() == ["def f0():", "def f1():", "def f2():"]
+    code = load_prompts("humaneval", str(data), prompt_column="text", id_column="uid")
+    assert code.column("prompt").to_pylist()[1] == HUMANEVAL_INSTRUCTION.format(prompt="def f1():")
+    assert code.num_rows == 3 and "HumanEval/0" not in code.column("id").to_pylist()
+
+
+def test_unreadable_lines_become_error_rows_with_unique_stable_ids(tmp_path):
+    data = tmp_path / "messy.jsonl"
+    lines = [json.dumps({"uid": "a", "text": "fine"}), "{not json", json.dumps({"uid": "b", "text": "fine too"}),
+             "[1, 2]", '{"uid": "c", "text": "lone \\ud800 surrogate"}']
+    data.write_bytes(("\n".join(lines) + "\n").encode() + b'{"uid": "d", "text": "\xff bytes"}\n')
+    table = load_prompts(None, str(data), prompt_column="text", id_column="uid")
+    rows = {r["id"]: r for r in table.select(["id", "prompt", "_input_error"]).to_pylist()}
+    assert sorted(rows) == ["a", "b", "messy.jsonl:line-2", "messy.jsonl:line-4", "messy.jsonl:line-5",
+                            "messy.jsonl:line-6"]
+    assert rows["a"]["_input_error"] is None and rows["b"]["prompt"] == "fine too"
+    assert "line 2 of" in rows["messy.jsonl:line-2"]["_input_error"] and "not valid JSON" in \
+        rows["messy.jsonl:line-2"]["_input_error"]
+    assert "not a JSON object" in rows["messy.jsonl:line-4"]["_input_error"]
+    assert "not valid Unicode" in rows["messy.jsonl:line-5"]["_input_error"]
+    assert "not valid Unicode" in rows["messy.jsonl:line-6"]["_input_error"]
+    again = load_prompts(None, str(data), prompt_column="text", id_column="uid")
+    assert again.column("id").to_pylist() == table.column("id").to_pylist()  # stable across runs

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, InputConfig, JobConfig, ModelConfig
 from entmtp_ray.pipeline.assemble import plan
+from entmtp_ray.pipeline.manifest import check_or_write, run_settings
 from entmtp_ray.pipeline.ray_stage import check_output, run_pipeline, shutdown
 from entmtp_ray.pipeline.tasks import load_prompts
 
@@ -33,10 +34,12 @@ def main(argv=None) -> int:
     try:
         source, job = config_from_args(InputConfig, args), config_from_args(JobConfig, args)
         model_cfg, decoding = config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args)
-        plan(model_cfg, decoding)
+        resolved = plan(model_cfg, decoding)
         check_output(job.output, job.resume)
         table = load_prompts(decoding.task, source.dataset, source.split, source.prompt_column, source.id_column,
                              source.messages_column, source.limit, decoding.seed)
+        settings, sources = run_settings(model_cfg, decoding, source, resolved.needs_heads, resolved.bank_path)
+        check_or_write(job.output, settings, job.resume, sources)
     except (ValueError, ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

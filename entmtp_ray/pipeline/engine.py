@@ -21,6 +21,21 @@ log = logging.getLogger(__name__)
 WARMUP_PROMPT = "Say hello."
 
 
+class EngineBroken(RuntimeError):
+    """This process can decode no further row (out of memory, a CUDA device error): its owner should
+    end it, so that a fresh one retries the row."""
+
+
+def process_is_broken(exc: BaseException) -> bool:
+    """Whether `exc` means the process, not the row, is at fault: memory exhausted, or the device failed."""
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("CUDA error" in text or "out of memory" in text.lower())
+
+
 def encode_checked(loaded: LoadedModel, prompt, max_input_tokens: int) -> list[int]:
     """Prompt ids for one user message (or a list of chat turns); ValueError says why a prompt is bad."""
     if isinstance(prompt, list):
@@ -79,13 +94,17 @@ class Engine:
         return error_row(self._context(row_id, prompt), message)
 
     def run(self, row_id, prompt, messages: list[dict] | None = None) -> dict:
-        """The output row for one prompt (or chat, `messages`); never raises for a bad row."""
+        """The output row for one prompt (or chat, `messages`). Any failure of this row becomes its `error`
+        ("TypeName: message"; a bad prompt's ValueError says what is wrong); only a failure that means this
+        process is broken (out of memory, a CUDA device error) raises, as EngineBroken."""
         context = self._context(row_id, prompt)
         try:
             result = self.generate(row_id, messages if messages else prompt)
         except ValueError as exc:
             return error_row(context, str(exc))
-        except RuntimeError as exc:  # e.g. a decode failure on this row only
+        except Exception as exc:  # noqa: BLE001 - one row's failure is data, not the job's end
+            if process_is_broken(exc):
+                raise EngineBroken(f"row {row_id}: {type(exc).__name__}: {exc}") from exc
             log.exception("row %s failed", row_id)
             return error_row(context, f"{type(exc).__name__}: {exc}")
         return result_row(context, result)

@@ -21,15 +21,18 @@ import ray
 from ray.data import ActorPoolStrategy, DataContext, SaveMode
 
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
+from entmtp_ray.pipeline.engine import EngineBroken
 from entmtp_ray.pipeline.records import output_table
 from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS
 
 log = logging.getLogger(__name__)
 
-# Fault injection for the exactly-once tests: the actor that meets this row id exits abruptly,
-# once (the marker file records that it happened).
+# Fault injection for the exactly-once tests: the actor that meets this row id fails, once (the
+# marker file records that it happened): it exits abruptly (kind `exit`), or its engine reports
+# itself broken (kind `broken`, as an out-of-memory error would).
 FAULT_ROW_ENV = "ENTMTP_FAULT_EXIT_ON_ROW"
 FAULT_MARKER_ENV = "ENTMTP_FAULT_MARKER"
+FAULT_KIND_ENV = "ENTMTP_FAULT_KIND"
 
 
 class GenerateActor:
@@ -48,12 +51,17 @@ class GenerateActor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = []
         for row in batch.select(["id", "prompt", "_messages", "_input_error"]).to_pylist():
-            _maybe_fault(row["id"])
             if row["_input_error"]:
                 rows.append(self.engine.error_row(row["id"], row["prompt"], row["_input_error"]))
                 continue
             messages = json.loads(row["_messages"]) if row["_messages"] else None
-            rows.append(self.engine.run(row["id"], row["prompt"], messages))
+            try:
+                _maybe_fault(row["id"])
+                rows.append(self.engine.run(row["id"], row["prompt"], messages))
+            except EngineBroken:
+                # this actor is unusable: end it, and Ray Data restarts it and retries the block
+                log.exception("actor %s is broken; exiting so that Ray retries its rows", self.engine.actor_id)
+                os._exit(1)
         passthrough = batch.drop_columns([c for c in INTERNAL_COLUMNS if c in batch.column_names])
         return output_table(passthrough, rows)
 
@@ -62,6 +70,8 @@ def _maybe_fault(row_id: str) -> None:
     target, marker = os.environ.get(FAULT_ROW_ENV), os.environ.get(FAULT_MARKER_ENV)
     if target and marker and row_id == target and not os.path.exists(marker):
         Path(marker).write_text(str(os.getpid()))
+        if os.environ.get(FAULT_KIND_ENV, "exit") == "broken":
+            raise EngineBroken(f"row {row_id}: injected fault")
         os._exit(1)
 
 

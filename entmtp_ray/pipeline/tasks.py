@@ -66,23 +66,33 @@ def generated_ids(n: int) -> list[str]:
 # ---- reading sources -------------------------------------------------------------------------
 
 LINE_ERROR = "_line_error"
+LINE_ID = "_line_id"  # the stable id of an unreadable line, which has no id of its own: <file>:line-<n>
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The objects of a JSON Lines file; a malformed line or a non-object comes back as
-    {LINE_ERROR: why}, so it becomes an error row instead of failing the whole run."""
+    """The objects of a JSON Lines file; a malformed line, a non-object, or text that is not valid
+    Unicode (a lone surrogate) comes back as {LINE_ERROR: why, LINE_ID: <file>:line-<n>}, so it becomes
+    an error row with a unique id instead of failing the whole run."""
     rows = []
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
+    with opener(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
+            problem = None
             try:
-                row = json.loads(line)
+                row = json.loads(raw.decode("utf-8"))
+                json.dumps(row, ensure_ascii=False).encode("utf-8")  # what Arrow will need
             except json.JSONDecodeError as exc:
-                rows.append({LINE_ERROR: f"line {n} of {path} is not valid JSON ({exc})"})
+                problem = f"not valid JSON ({exc})"
+            except UnicodeError as exc:  # bytes that are not UTF-8, or an escaped lone surrogate
+                problem = f"text that is not valid Unicode ({exc.reason})"
+            if problem is None and not isinstance(row, dict):
+                problem = "not a JSON object"
+            if problem:
+                rows.append({LINE_ERROR: f"line {n} of {path} is {problem}", LINE_ID: f"{path.name}:line-{n}"})
                 continue
-            rows.append(row if isinstance(row, dict) else {LINE_ERROR: f"line {n} of {path} is not a JSON object"})
+            rows.append(row)
     return rows
 
 
@@ -248,9 +258,13 @@ def load_dataset_rows(dataset: str, prompt_column: str, id_column: str | None, m
     if id_column:
         _require(table, id_column, "--id-column (or drop it to get generated ids)", dataset)
         ids = table.column(id_column).to_pylist()
+        if LINE_ID in table.column_names:  # an unreadable line has no id of its own
+            ids = [i if i is not None or line is None else line
+                   for i, line in zip(ids, table.column(LINE_ID).to_pylist())]
     else:
         ids = generated_ids(len(table))
-    out = _rows_table(ids, prompts, table, messages, reserved={prompt_column, id_column, LINE_ERROR} - {None})
+    out = _rows_table(ids, prompts, table, messages,
+                      reserved={prompt_column, id_column, LINE_ERROR, LINE_ID} - {None})
     errors = [[err for _, err in normalised]] if normalised else []
     if LINE_ERROR in table.column_names:
         errors.insert(0, table.column(LINE_ERROR).to_pylist())  # an unreadable line's own reason comes first
@@ -312,8 +326,13 @@ def load_prompts(task: str | None, dataset: str | None, split: str = "test", pro
     rows with `seed`."""
     if task is not None and task not in TASKS:
         raise ValueError(f"unknown task '{task}'; choose one of {sorted(TASKS)} or pass --dataset")
-    if task == "gsm8k":
+    if task == "gsm8k":  # a dataset given is a copy of GSM8K: its 'question' column is the prompt
         table = load_gsm8k(dataset, split)
+    elif task in ("humaneval", "sharegpt") and dataset is not None:
+        # the user's rows, formatted as the task formats its own (and decoded with the task's bank)
+        table = load_dataset_rows(dataset, prompt_column, id_column, messages_column, split)
+        if task == "humaneval":
+            table = _as_humaneval(table)
     elif task == "humaneval":
         table = load_humaneval()
     elif task == "sharegpt":
@@ -323,6 +342,13 @@ def load_prompts(task: str | None, dataset: str | None, split: str = "test", pro
     else:
         raise ValueError("nothing to generate for: pass --task NAME or --dataset PATH_OR_HUB_ID")
     return sample(select_subset(table, task, subset), limit, seed)
+
+
+def _as_humaneval(table: pa.Table) -> pa.Table:
+    """Rows whose prompt is a function to complete, wrapped in HumanEval's instruction as the task's own are."""
+    prompts = [HUMANEVAL_INSTRUCTION.format(prompt=p) if isinstance(p, str) and p.strip() else p
+               for p in table.column("prompt").to_pylist()]
+    return table.set_column(table.column_names.index("prompt"), "prompt", pa.array(prompts, pa.string()))
 
 
 def sample(table: pa.Table, limit: int | None, seed: int) -> pa.Table:

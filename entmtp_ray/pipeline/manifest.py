@@ -1,0 +1,102 @@
+"""The run manifest: what made an output's rows (model, heads and bank with content hashes, every decoding
+and input setting, the project version), written beside the Parquet files when a run starts, so that
+`--resume` continues only the same configuration. No Ray here.
+
+The file is `_manifest.json` in the output directory: readers of the dataset (pyarrow, pandas, Ray
+Data) skip names starting with `_`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
+from entmtp_ray.config import DecodingConfig, InputConfig, ModelConfig
+from entmtp_ray.model.loading import UNTRAINED_HEADS, resolve_heads_path
+
+MANIFEST = "_manifest.json"
+FORMAT = 1
+# input settings that may change between a run and its resume: --limit only adds or drops rows,
+# and a row's output does not depend on it
+RESUMABLE_INPUT = {"limit"}
+
+
+def content_hash(path: Path) -> str:
+    """sha256 over a file, or over a folder's files (relative names and bytes, in name order)."""
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        digest.update(str(file.relative_to(path) if file != path else file.name).encode() + b"\0")
+        with file.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _version() -> str:
+    try:
+        return metadata.version("entmtp-ray")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def run_settings(model_cfg: ModelConfig, decoding: DecodingConfig, source: InputConfig | None,
+                 needs_heads: bool, bank_path: Path | None) -> tuple[dict, dict]:
+    """(settings, sources): everything an output row depends on, as JSON values compared field by field on
+    --resume (heads and bank by content, so a moved checkout still resumes), and where heads and bank
+    were read from, for people."""
+    heads_path = None
+    if needs_heads:
+        heads_path = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
+                      else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
+    settings = {"model": model_cfg.model_dump(exclude={"heads"}),
+                "heads_sha256": content_hash(Path(heads_path)) if heads_path not in (None, UNTRAINED_HEADS)
+                else heads_path,
+                "bank_sha256": content_hash(bank_path) if bank_path else None,
+                "decoding": decoding.model_dump(exclude={"bank"})}
+    if source is not None:
+        settings["input"] = source.model_dump(exclude=RESUMABLE_INPUT)
+    return settings, {"heads": heads_path, "bank": str(bank_path) if bank_path else None}
+
+
+def manifest(settings: dict, sources: dict) -> dict:
+    """The file's content: `settings` (compared on --resume) and, for people, where things came from."""
+    return {"format": FORMAT, "project": "entmtp-ray", "version": _version(),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "settings": settings, "sources": sources}
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for key, inner in value.items():
+            out.update(_flat(inner, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def differences(before: dict, now: dict) -> list[str]:
+    """'field: old -> new' for every setting that differs (nested fields dotted)."""
+    old, new = _flat(before), _flat(now)
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
+            if old.get(key) != new.get(key)]
+
+
+def check_or_write(output: str, settings: dict, resume: bool, sources: dict | None = None) -> None:
+    """On a fresh output, write the manifest; on --resume, refuse (ValueError naming the fields) an output
+    whose manifest holds other settings. An output of a release without manifests gets one."""
+    path = Path(output) / MANIFEST
+    if resume and path.is_file():
+        written = json.loads(path.read_text())
+        changed = differences(written.get("settings", {}), settings)
+        if changed:
+            raise ValueError(f"--resume: {output} was written with other settings ({'; '.join(changed)}); "
+                             "resume with the settings of that run, or write to a new --output")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest(settings, sources or {}), indent=1) + "\n")
+    tmp.replace(path)
