@@ -31,7 +31,7 @@ def test_bad_rows_become_error_rows_and_good_rows_still_run(tmp_path):
                    "--max-new-tokens", "8", "--max-input-tokens", "100")
     assert proc.returncode == 0, proc.stderr
     rows = {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
-    assert list(rows) == ["good", "empty", "long", "number", "line-5", "good2"]
+    assert list(rows) == ["good", "empty", "long", "number", "prompts.jsonl:line-5", "good2"]
     for good in ("good", "good2"):
         row = rows[good]
         assert row["error"] is None and row["num_output_tokens"] > 0 and row["output_text"]
@@ -41,8 +41,8 @@ def test_bad_rows_become_error_rows_and_good_rows_still_run(tmp_path):
     assert "empty prompt" in rows["empty"]["error"]
     assert "--max-input-tokens 100" in rows["long"]["error"]
     assert "must be a string" in rows["number"]["error"]
-    assert "not valid JSON" in rows["line-5"]["error"]
-    assert all(rows[k]["output_text"] is None for k in ("empty", "long", "number", "line-5"))
+    assert "not valid JSON" in rows["prompts.jsonl:line-5"]["error"]
+    assert all(rows[k]["output_text"] is None for k in ("empty", "long", "number", "prompts.jsonl:line-5"))
 
 
 @pytest.mark.slow
