@@ -162,6 +162,7 @@ def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     bank = load_bank(out, max_depth=4)
     assert bank.task == "gsm8k" and bank.calibration["prompts"] == 4 and bank.hardware.threads == 1
+    assert bank.calibration["source"] == "gsm8k: gsm8k_train_200.jsonl (a local copy)"  # no path of this machine
     nodes = [t.nodes for t in bank.trees]
     assert nodes == sorted(nodes) and nodes[0] == 1 and max(nodes) <= 8
     taus = [t.tau for t in bank.trees]

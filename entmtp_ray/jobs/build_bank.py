@@ -123,6 +123,13 @@ def project_relative(path: str) -> str:
         return str(path)
 
 
+def calibration_source(task: str, dataset: str | None) -> str:
+    """What the bank was calibrated on, without a path of the machine that built it (banks ship)."""
+    if dataset is None:
+        return task
+    return f"{task}: {Path(dataset).name} (a local copy)" if Path(dataset).exists() else f"{task}: {dataset}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", required=True, choices=sorted(TASKS))
@@ -178,7 +185,7 @@ def main(argv=None) -> int:
     bank = Bank(
         model=Path(args.model).name, heads=project_relative(engine.heads_label), task=args.task,
         hardware=current_hardware(engine.loaded.device, engine.loaded.dtype),
-        calibration={"source": args.dataset or args.task, "subset": "tune", "prompts": len(measured),
+        calibration={"source": calibration_source(args.task, args.dataset), "subset": "tune", "prompts": len(measured),
                      "seed": args.seed, "max_new_tokens": args.max_new_tokens, "positions": table_.rows},
         created=datetime.date.today().isoformat(),
         trees=[BankTree.of(trees[n], **stats[n]) for n in frontier],
