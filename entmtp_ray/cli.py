@@ -16,7 +16,7 @@ from transformers.utils import logging as transformers_logging
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.engine import Engine
-from entmtp_ray.pipeline.tasks import LINE_ERROR, LINE_ID, read_jsonl
+from entmtp_ray.pipeline.sources import LINE_ERROR, LINE_ID, POS, open_file, read_file, resolve_filesystem
 
 ConfigT = typing.TypeVar("ConfigT", bound=BaseModel)
 
@@ -79,9 +79,16 @@ def read_prompts(args) -> list[tuple[str, object, str | None]]:
     """(id, prompt, error) triples; a malformed line is kept, with its error, so it gets an output row."""
     if args.prompt is not None:
         return [("prompt-0", args.prompt, None)]
-    rows = read_jsonl(Path(args.prompts_file))
-    return [(str(row.get("id", row.get(LINE_ID, f"line-{n}"))), row.get("prompt"), row.get(LINE_ERROR))
-            for n, row in enumerate(rows, start=1)]
+    fs, path = resolve_filesystem(args.prompts_file)
+    if not path.endswith((".jsonl", ".json", ".jsonl.gz")):
+        raise ValueError(f"--prompts-file {args.prompts_file}: expected a JSON lines file (.jsonl)")
+    triples = []
+    with open_file(fs, path) as f:
+        for chunk in read_file(f, path):
+            for row in chunk.to_pylist():
+                row_id = row.get("id") if row.get("id") is not None else row.get(LINE_ID) or f"row-{row[POS]:07d}"
+                triples.append((str(row_id), row.get("prompt"), row.get(LINE_ERROR)))
+    return triples
 
 
 def cmd_generate(args) -> int:
@@ -120,10 +127,10 @@ def cmd_eval_heads(args) -> int:
 
 
 def flag_tables() -> str:
-    from entmtp_ray.config import InputConfig, JobConfig
+    from entmtp_ray.config import InputConfig, JobConfig, PoolConfig
 
     return "\n\n".join(f"**{c.__name__}** ({c.__doc__})\n\n{flag_table(c)}"
-                       for c in (ModelConfig, DecodingConfig, InputConfig, JobConfig))
+                       for c in (ModelConfig, DecodingConfig, InputConfig, JobConfig, PoolConfig))
 
 
 FLAGS_BEGIN, FLAGS_END = "<!-- flags:begin -->", "<!-- flags:end -->"

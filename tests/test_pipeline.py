@@ -122,7 +122,7 @@ def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path, kind):
 def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own_ray):
     data = write_prompts(tmp_path / "prompts.jsonl", 16)
     out = tmp_path / "out"
-    args = job_args(tiny_model_dirs, data, out, "--policy", "ar", "--max-new-tokens", "40")
+    args = job_args(tiny_model_dirs, data, out, "--policy", "ar", "--max-new-tokens", "40", "--rows-per-file", "1")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and len(readable_rows(out)) < 3:
@@ -168,8 +168,10 @@ def test_node_removed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    from entmtp_ray.pipeline.ray_stage import run_pipeline
-    from entmtp_ray.pipeline.tasks import load_prompts
+    from entmtp_ray.config import PoolConfig, ProcessorConfig
+    from entmtp_ray.pipeline.dataplane import run_job
+    from entmtp_ray.pipeline.processor import build_processor
+    from entmtp_ray.pipeline.tasks import prompt_spec
 
     model_dir, heads_dir = tiny_model_dirs
     data = write_prompts(tmp_path / "prompts.jsonl", 12)
@@ -178,12 +180,14 @@ def test_node_removed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
     ray.init(address=cluster.address)
     thread = None
     try:
-        job = JobConfig(output=str(tmp_path / "out"), cpus_per_actor=3, address=cluster.address)
-        table = load_prompts(None, str(data), prompt_column="text", id_column="uid")
-        model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir))
-        decoding = DecodingConfig(policy="ar", max_new_tokens=40)
+        # one row per file: rows reach the output as they finish, so the node goes mid-job
+        job = JobConfig(output=str(tmp_path / "out"), address=cluster.address, rows_per_file=1)
+        spec = prompt_spec(None, str(data), prompt_column="text", id_column="uid")
+        processor = build_processor(ProcessorConfig(
+            model=ModelConfig(model=str(model_dir), heads=str(heads_dir)),
+            decoding=DecodingConfig(policy="ar", max_new_tokens=40), pool=PoolConfig(cpus_per_actor=3)))
         result = {}
-        thread = threading.Thread(target=lambda: result.update(run_pipeline(table, job, model_cfg, decoding)))
+        thread = threading.Thread(target=lambda: result.update(run_job(spec, job, processor)))
         thread.start()
         deadline = time.time() + 240
         while time.time() < deadline and len(readable_rows(tmp_path / "out")) < 2:
@@ -243,7 +247,7 @@ def test_resume_sets_aside_files_a_stopped_job_cut_short(tmp_path):
     output reads again) and its rows count as not done; whole files count."""
     import pyarrow.parquet as pq
 
-    from entmtp_ray.pipeline.ray_stage import finished_ids
+    from entmtp_ray.pipeline.outputs import finished_ids
 
     out = tmp_path / "out"
     out.mkdir()
@@ -252,7 +256,7 @@ def test_resume_sets_aside_files_a_stopped_job_cut_short(tmp_path):
     whole = (tmp_path / "whole.parquet").read_bytes()
     (out / "part-1.parquet").write_bytes(whole[: len(whole) // 2])
     (out / "part-2.parquet").write_bytes(b"")
-    assert finished_ids(str(out)) == {"a", "b"}
+    assert sorted(finished_ids(str(out)).to_pylist()) == ["a", "b"]
     assert sorted(p.name for p in (out / ".unreadable").iterdir()) == ["part-1.parquet", "part-2.parquet"]
     assert sorted(r["id"] for r in read_output(out)) == ["a", "b"]
-    assert finished_ids(str(tmp_path / "missing")) == set()
+    assert finished_ids(str(tmp_path / "missing")).to_pylist() == []

@@ -131,7 +131,7 @@ def test_chat_turns_are_the_prompt_when_given(engine):
 
 
 def test_summary_figures_from_what_was_written(tmp_path):
-    from entmtp_ray.pipeline.ray_stage import summarize
+    from entmtp_ray.pipeline.outputs import summarize
 
     def row(id, tokens, steps, started, total, error=None):
         return {"id": id, "num_output_tokens": tokens, "steps": steps, "error": error, "started_at": started,

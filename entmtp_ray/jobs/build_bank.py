@@ -37,7 +37,7 @@ from entmtp_ray.calibrate.growth import AcceptanceTable, accepted_lengths, grow_
 from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout
 from entmtp_ray.calibrate.sweep import candidate_trees, choose_policies, replay_all
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
-from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
+from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig, PoolConfig, ProcessorConfig
 from entmtp_ray.decode.loop import row_generator
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology
@@ -48,14 +48,18 @@ MAX_RANKS = (16, 8, 8, 8, 8)  # ranks kept per depth; a tree never needs more ch
 
 
 def rollouts(args, model_cfg: ModelConfig, table, work: Path) -> Path:
-    from entmtp_ray.pipeline.ray_stage import check_output, run_pipeline
+    from entmtp_ray.pipeline.dataplane import run_job
+    from entmtp_ray.pipeline.outputs import check_output
+    from entmtp_ray.pipeline.sources import Location
+    from entmtp_ray.pipeline.processor import build_processor
 
     out = work / "rollouts"
-    check_output(str(out), resume=True)
-    job = JobConfig(output=str(out), resume=True,
-                    min_actors=1, max_actors=args.max_actors, cpus_per_actor=args.threads, address=args.address)
+    check_output(Location.of(str(out)), resume=True)
+    job = JobConfig(output=str(out), resume=True, address=args.address)
+    pool = PoolConfig(min_actors=1, max_actors=args.max_actors, cpus_per_actor=args.threads)
     decoding = DecodingConfig(policy=args.rollout_policy, max_new_tokens=args.max_new_tokens)
-    summary = run_pipeline(table, job, model_cfg, decoding)
+    processor = build_processor(ProcessorConfig(model=model_cfg, decoding=decoding, pool=pool))
+    summary = run_job(table, job, processor)
     print(f"rollouts: {json.dumps(summary)}", file=sys.stderr)
     return out
 

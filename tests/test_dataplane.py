@@ -1,0 +1,113 @@
+"""The streamed prompt plane and the processor API on a real local Ray (one per module, in its own directory):
+read tasks give the rows the in-memory reader gives (same ids, prompts, errors), folders, globs and gzip
+work, --limit's sample is the lowest hashes, and build_processor runs inside a user's own Dataset."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raytools
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    with raytools.own_ray_dir("rd-") as temp_dir:
+        saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", raytools.MARKER_ENV, "RAY_ADDRESS")}
+        os.environ.update(RAY_TMPDIR=temp_dir, **{raytools.MARKER_ENV: temp_dir})
+        os.environ.pop("RAY_ADDRESS", None)
+        ray.init(num_cpus=4, include_dashboard=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def _rows(table: pa.Table) -> list[dict]:
+    keep = ["id", "prompt", "_messages", "_input_error"]
+    return sorted(table.select(keep).to_pylist(), key=lambda r: r["id"])
+
+
+def write_folder(root):
+    root.mkdir()
+    (root / "a.jsonl").write_text("".join(json.dumps({"prompt": f"a{i}", "k": i}) + "\n" for i in range(5))
+                                  + "{broken\n" + json.dumps({"prompt": 3}) + "\n")
+    (root / "sub").mkdir()
+    with gzip.open(root / "sub" / "b.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"prompt": f"b{i}", "k": 10 + i}) + "\n" for i in range(3)))
+    pq.write_table(pa.table({"prompt": ["c0", None, "c2"], "k": [20, 21, 22]}), root / "c.parquet")
+    (root / "_hidden.jsonl").write_text(json.dumps({"prompt": "never"}) + "\n")
+    (root / "notes.txt").write_text("not data")
+    return root
+
+
+def test_streamed_rows_equal_the_in_memory_reader_for_a_folder_a_glob_and_a_file(ray_local, tmp_path):
+    from entmtp_ray.pipeline.dataplane import read_prompts
+    from entmtp_ray.pipeline.tasks import load_prompts, prompt_spec
+
+    root = write_folder(tmp_path / "data")
+    for dataset in [str(root), str(root / "*.jsonl"), f"file://{root}/a.jsonl", str(root / "sub" / "b.jsonl.gz")]:
+        streamed = pa.concat_tables(ray_local.get(read_prompts(prompt_spec(None, dataset)).to_arrow_refs()),
+                                    promote_options="permissive")
+        assert _rows(streamed) == _rows(load_prompts(None, dataset)), dataset
+    ids = {r["id"]: r for r in _rows(load_prompts(None, str(root)))}
+    assert sorted(ids) == sorted([f"a.jsonl:row-{i:07d}" for i in range(7)] + [f"sub/b.jsonl.gz:row-{i:07d}"
+                                 for i in range(3)] + [f"c.parquet:row-{i:07d}" for i in range(3)])
+    assert "not valid JSON" in ids["a.jsonl:row-0000005"]["_input_error"]
+    assert "must be a string, got int" in ids["a.jsonl:row-0000006"]["_input_error"]
+    assert "missing" in ids["c.parquet:row-0000001"]["_input_error"]
+    single = load_prompts(None, str(root / "a.jsonl"))
+    assert single.column("id").to_pylist()[:2] == ["row-0000000", "row-0000001"]  # one file: positions alone
+
+
+def test_limit_keeps_the_rows_whose_ids_hash_lowest(ray_local, tmp_path):
+    from entmtp_ray.pipeline.dataplane import read_prompts, sample
+    from entmtp_ray.pipeline.tasks import prompt_spec, sample_keys
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(300)))
+    spec = prompt_spec(None, str(path))
+    ids = [f"row-{i:07d}" for i in range(300)]
+    keys = sample_keys(ids, 5)
+    expected = sorted(ids[i] for i in keys.argsort()[:17])
+    assert sorted(r["id"] for r in sample(read_prompts(spec), 17, 5).take_all()) == expected
+    assert sorted(r["id"] for r in sample(read_prompts(spec), 17, 6).take_all()) != expected
+
+
+def test_build_processor_runs_inside_a_users_dataset(ray_local, tiny_model_dirs):
+    from entmtp_ray import ProcessorConfig, build_processor
+    from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig
+    from entmtp_ray.pipeline.engine import Engine
+    from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
+
+    model_dir, heads_dir = tiny_model_dirs
+    model = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32")
+    decoding = DecodingConfig(policy="hydra", max_new_tokens=6)
+    processor = build_processor(ProcessorConfig(model=model, decoding=decoding,
+                                                pool=PoolConfig(max_actors=2, rows_per_block=2)))
+    items = [{"question": f"Write item number {i}.", "qid": f"q{i}"} for i in range(5)] + [{"question": "", "qid": "e"}]
+    ds = ray_local.data.from_items(items).map(lambda r: {"prompt": r["question"], "qid": r["qid"]})
+    rows = {r["qid"]: r for r in processor(ds).take_all()}
+    assert set(rows) == {"q0", "q1", "q2", "q3", "q4", "e"}
+    assert set(OUTPUT_COLUMNS) <= set(rows["q0"]) and rows["q0"]["id"] is None
+    assert "empty prompt" in rows["e"]["error"]
+    engine = Engine(model, decoding)
+    for i in range(5):
+        assert list(rows[f"q{i}"]["output_token_ids"]) == engine.run(None, f"Write item number {i}.")["output_token_ids"]
+
+    with pytest.raises(ValueError, match="unknown policy"):
+        build_processor({"decoding": {"policy": "nope"}})
