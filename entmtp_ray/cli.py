@@ -84,7 +84,7 @@ def read_prompts(args) -> list[tuple[str, object, str | None]]:
         raise ValueError(f"--prompts-file {args.prompts_file}: expected a JSON lines file (.jsonl)")
     triples = []
     with open_file(fs, path) as f:
-        for chunk in read_file(f, path):
+        for chunk in read_file(f, path, text_columns=("prompt",)):
             for row in chunk.to_pylist():
                 row_id = row.get("id") if row.get("id") is not None else row.get(LINE_ID) or f"row-{row[POS]:07d}"
                 triples.append((str(row_id), row.get("prompt"), row.get(LINE_ERROR)))

@@ -49,7 +49,7 @@ def write_folder(root):
     (root / "sub").mkdir()
     with gzip.open(root / "sub" / "b.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps({"prompt": f"b{i}", "k": 10 + i}) + "\n" for i in range(3)))
-    pq.write_table(pa.table({"prompt": ["c0", None, "c2"], "k": [20, 21, 22]}), root / "c.parquet")
+    (root / "c.csv").write_text("prompt,k\nc0,20\n,21\nc2,22\n")
     (root / "_hidden.jsonl").write_text(json.dumps({"prompt": "never"}) + "\n")
     (root / "notes.txt").write_text("not data")
     return root
@@ -66,10 +66,15 @@ def test_streamed_rows_equal_the_in_memory_reader_for_a_folder_a_glob_and_a_file
         assert _rows(streamed) == _rows(load_prompts(None, dataset)), dataset
     ids = {r["id"]: r for r in _rows(load_prompts(None, str(root)))}
     assert sorted(ids) == sorted([f"a.jsonl:row-{i:07d}" for i in range(7)] + [f"sub/b.jsonl.gz:row-{i:07d}"
-                                 for i in range(3)] + [f"c.parquet:row-{i:07d}" for i in range(3)])
+                                 for i in range(3)] + [f"c.csv:row-{i:07d}" for i in range(3)])
     assert "not valid JSON" in ids["a.jsonl:row-0000005"]["_input_error"]
     assert "must be a string, got int" in ids["a.jsonl:row-0000006"]["_input_error"]
-    assert "missing" in ids["c.parquet:row-0000001"]["_input_error"]
+    assert ids["c.csv:row-0000001"]["prompt"] == ""  # an empty CSV field is text too (the engine refuses it)
+    pq.write_table(pa.table({"prompt": ["d0"], "k": [30]}), root / "d.parquet")
+    with pytest.raises(ValueError, match="both Parquet and JSON lines/CSV"):
+        load_prompts(None, str(root))
+    parquet = _rows(load_prompts(None, str(root / "*.parquet")))
+    assert parquet == [{"id": "d.parquet:row-0000000", "prompt": "d0", "_messages": None, "_input_error": None}]
     single = load_prompts(None, str(root / "a.jsonl"))
     assert single.column("id").to_pylist()[:2] == ["row-0000000", "row-0000001"]  # one file: positions alone
 
@@ -111,3 +116,50 @@ def test_build_processor_runs_inside_a_users_dataset(ray_local, tiny_model_dirs)
 
     with pytest.raises(ValueError, match="unknown policy"):
         build_processor({"decoding": {"policy": "nope"}})
+
+
+def test_the_readme_example_runs_as_written(ray_local, tmp_path):
+    """The README's five lines, with its two S3 URIs pointed at local folders (tests/test_s3.py covers S3)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"```python\n(import ray\nfrom entmtp_ray import build_processor.*?)```", readme, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 5
+    questions, labels = tmp_path / "questions", tmp_path / "labels"
+    questions.mkdir()
+    pq.write_table(pa.table({"question": ["What is 2 + 3?", "Name a prime number."], "qid": [1, 2]}),
+                   questions / "part-0.parquet")
+    code = code.replace("s3://bucket/questions/", str(questions)).replace("s3://bucket/labels/", str(labels))
+    exec(compile(code, "README.md", "exec"), {})
+    rows = pq.read_table(labels).to_pylist()
+    assert sorted(r["qid"] for r in rows) == [1, 2]
+    assert all(r["error"] is None and r["policy"] == "entmtp-tau" and r["bank"] and r["output_text"] for r in rows)
+
+
+def test_a_hub_dataset_streams_through_the_datasets_library(ray_local, tmp_path):
+    """The hub path (datasets.load_dataset(streaming=True) -> Ray), on a local folder the datasets library
+    loads as it loads a hub repository's files (the hub itself is unreachable here)."""
+    from entmtp_ray.pipeline.dataplane import read_prompts
+    from entmtp_ray.pipeline.tasks import PromptSpec
+
+    folder = tmp_path / "hubby"
+    folder.mkdir()
+    pq.write_table(pa.table({"question": [f"q{i}" for i in range(7)], "n": list(range(7))}), folder / "train.parquet")
+    spec = PromptSpec("hub", str(folder), "gsm8k", "question", split="train")
+    rows = sorted(read_prompts(spec).take_all(), key=lambda r: r["id"])
+    assert [r["id"] for r in rows] == [f"row-{i:07d}" for i in range(7)]
+    assert [r["prompt"] for r in rows] == [f"q{i}" for i in range(7)] and [r["n"] for r in rows] == list(range(7))
+
+
+def test_the_named_tasks_stream_through_the_same_plane(ray_local):
+    """HumanEval (the package's own file) and ShareGPT (one read task parsing the wheel) give the rows the
+    in-memory reader gives; --limit samples them by id."""
+    from entmtp_ray.pipeline.dataplane import read_prompts, sample
+    from entmtp_ray.pipeline.tasks import load_prompts, prompt_spec, sample_keys
+
+    humaneval = read_prompts(prompt_spec("humaneval", None)).take_all()
+    assert sorted(r["id"] for r in humaneval) == sorted(load_prompts("humaneval", None).column("id").to_pylist())
+    every = load_prompts("sharegpt", None).column("id").to_pylist()
+    lowest = sorted(every[i] for i in sample_keys(every, 3).argsort()[:5])
+    assert sorted(r["id"] for r in sample(read_prompts(prompt_spec("sharegpt", None)), 5, 3).take_all()) == lowest

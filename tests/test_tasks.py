@@ -64,7 +64,8 @@ def test_user_dataset_formats_keep_columns(tmp_path, fmt):
     table = load_prompts(None, str(path), prompt_column="question", id_column="key")
     out = table.to_pylist()
     assert [r["id"] for r in out] == [f"k{i}" for i in range(5)]
-    assert out[3]["prompt"] == "What is 3+3?" and out[3]["meta"] == 3
+    # Parquet keeps its types; JSON lines and CSV columns are text (a stream cannot fix their types)
+    assert out[3]["prompt"] == "What is 3+3?" and out[3]["meta"] == (3 if fmt == "parquet" else "3")
     assert "question" not in table.column_names and "key" not in table.column_names
 
 
@@ -172,3 +173,38 @@ def test_unreadable_lines_become_error_rows_with_unique_stable_ids(tmp_path):
     assert "not valid Unicode" in rows["messy.jsonl:line-6"]["_input_error"]
     again = load_prompts(None, str(data), prompt_column="text", id_column="uid")
     assert again.column("id").to_pylist() == table.column("id").to_pylist()  # stable across runs
+
+
+def test_any_fsspec_filesystem_reads_through_the_same_path():
+    """A URI pyarrow does not know goes through fsspec (here its in-memory filesystem, in this process: Ray
+    workers would not share it; tests/test_s3.py covers a filesystem the workers reach)."""
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/entmtp-test/part-0.jsonl", b'{"prompt": "a"}\n{"prompt": "b"}\n')
+    memory.pipe("/entmtp-test/part-1.jsonl", b'{"prompt": "c"}\n')
+    memory.pipe("/entmtp-test/other.csv", b"prompt\nd\n")
+    try:
+        table = load_prompts(None, "memory://entmtp-test/part-*.jsonl")
+        assert table.column("id").to_pylist() == ["part-0.jsonl:row-0000000", "part-0.jsonl:row-0000001",
+                                                 "part-1.jsonl:row-0000000"]
+        assert table.column("prompt").to_pylist() == ["a", "b", "c"]
+        assert load_prompts(None, "memory://entmtp-test/").num_rows == 4
+    finally:
+        memory.rm("/entmtp-test", recursive=True)
+
+
+def test_json_and_csv_columns_are_text_whatever_their_values_so_chunks_never_clash(tmp_path):
+    """A JSON field that is a number in one line and a string in another, thousands of lines apart (another
+    chunk), or nested, comes back as text in every chunk: Ray joins blocks of one schema."""
+    from entmtp_ray.pipeline.sources import CHUNK_ROWS
+
+    path = tmp_path / "mixed.jsonl"
+    values = [7] * CHUNK_ROWS + ["seven", {"n": 7}, [7], True, None, 7.5]
+    path.write_text("".join(json.dumps({"prompt": "p", "meta": v}) + "\n" for v in values))
+    table = load_prompts(None, str(path))
+    assert table.schema.field("meta").type == pa.string()
+    assert table.column("meta").to_pylist()[-7:] == ["7", "seven", '{"n": 7}', "[7]", "true", None, "7.5"]
+    csv_path = tmp_path / "mixed.csv"
+    csv_path.write_text("prompt,meta\n" + "p,1\n" * 3 + "p,x\n")
+    assert load_prompts(None, str(csv_path)).column("meta").to_pylist() == ["1", "1", "1", "x"]

@@ -22,6 +22,8 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from matplotlib.figure import Figure
 
+from entmtp_ray.pipeline.sources import Location
+
 KEYS = ["task", "policy", "temperature", "acceptance"]  # one report row per group
 SAME_PROMPT = ["task", "temperature", "id"]  # how a row finds its AR counterpart
 REQUIRED = ("id", "policy", "temperature", "num_output_tokens", "total_s", "tokens_per_s", "error")
@@ -58,30 +60,33 @@ Failed rows count in `rows` but in no rate."""
 
 
 def load_runs(paths) -> pa.Table:
-    """The columns the report reads, from every run directory, as one table (a column a run lacks is null)."""
+    """The columns the report reads, from every run's output (a folder or a URI, as the job's --output), as one
+    table (a column a run lacks is null)."""
     paths = [paths] if isinstance(paths, (str, Path)) else paths
-    tables = [_load_run(Path(path)) for path in paths]
+    tables = [_load_run(str(path)) for path in paths]
     if not tables:
         raise ValueError("no run directories given; pass the --output directory of one or more runs")
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def _load_run(path: Path) -> pa.Table:
-    if not path.exists():
+def _load_run(path: str) -> pa.Table:
+    location = Location.of(path)
+    if not location.exists():
         raise FileNotFoundError(f"run directory {path} does not exist; pass the --output directory of a "
                                 "generate or benchmark run")
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else []
+    files = location.parquet_files()
     if not files:
         raise ValueError(f"{path} holds no *.parquet files; pass the directory a run wrote its Parquet "
                          "parts into (its --output), not a file or a parent directory")
     # part files of a resumed run may differ in their optional columns
-    schema = pa.unify_schemas([pq.read_schema(file) for file in files], promote_options="permissive")
+    fs = location.filesystem
+    schema = pa.unify_schemas([pq.read_schema(file, filesystem=fs) for file in files], promote_options="permissive")
     missing = [name for name in REQUIRED if name not in schema.names]
     if missing:
         raise ValueError(f"{path}: columns {missing} missing; expected the output schema of "
                          "entmtp_ray/pipeline/records.py (jobs/generate.py or the benchmark writes it)")
     columns = [name for name in REQUIRED + OPTIONAL if name in schema.names]
-    return pads.dataset([str(file) for file in files], schema=schema, format="parquet").to_table(columns=columns)
+    return pads.dataset(files, schema=schema, filesystem=fs, format="parquet").to_table(columns=columns)
 
 
 def summarize(table: pa.Table) -> dict:

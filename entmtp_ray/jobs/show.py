@@ -1,6 +1,7 @@
 """Print a generation run's Parquet output as a short table, and how to read it yourself.
 
     python jobs/show.py runs/demo-humaneval
+    python jobs/show.py s3://bucket/labels
 """
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ from __future__ import annotations
 import sys
 
 import pandas as pd
+import pyarrow.dataset as pads
+
+from entmtp_ray.pipeline.sources import Location
 
 COLUMNS = ["id", "num_output_tokens", "finish_reason", "mean_accepted_length", "tokens_per_s", "error"]
 
@@ -18,7 +22,12 @@ def main(argv=None) -> int:
         print("usage: entmtp-show RUN_DIR\n\n" + __doc__, file=sys.stderr if len(argv) != 1 else sys.stdout)
         return 2 if len(argv) != 1 else 0
     path = argv[0]
-    frame = pd.read_parquet(path)
+    location = Location.of(path)
+    files = location.parquet_files()
+    if not files:
+        print(f"error: {path} holds no Parquet files; pass a run's --output", file=sys.stderr)
+        return 2
+    frame = pads.dataset(files, filesystem=location.filesystem, format="parquet").to_table().to_pandas()
     frame["error"] = frame["error"].fillna("-")
     with pd.option_context("display.width", 160, "display.max_colwidth", 60):
         print(frame[COLUMNS].sort_values("id").to_string(index=False))

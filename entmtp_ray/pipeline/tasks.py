@@ -254,6 +254,15 @@ def load_hub(spec: PromptSpec, streaming: bool = False):
                          f"{fix}") from exc
 
 
+def hub_chunks(spec: PromptSpec, rows: int = 4096):
+    """A hub dataset's records streamed by the datasets library, `rows` at a time, with their positions."""
+    start = 0
+    for batch in load_hub(spec, streaming=True).iter(batch_size=rows):
+        table = pa.table(batch)
+        yield table.append_column(POS, pa.array(np.arange(start, start + table.num_rows), pa.int64()))
+        start += table.num_rows
+
+
 def iter_chunks(spec: PromptSpec):
     """(records, file label) chunks of a spec, read in this process (for load_prompts)."""
     if spec.kind == "files":
