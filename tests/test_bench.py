@@ -97,3 +97,15 @@ def test_engine_step_breakdown_times_every_phase_of_a_tree_step():
     assert parts["verify"] > parts["choose"] and parts["verify"] > parts["observe"]
     ar = bench_engine.step_breakdown(stack.loaded, stack.drafter, prompts, 12, load_topology("ar"))
     assert ar["verify"] > 0 and ar["draft"] < ar["verify"]
+
+
+def test_verify_cost_times_each_tree_on_the_models_device(tiny_model_dirs):
+    """jobs/bench_engine.py's verify timing: inputs, tree buffers and scored rows on the model's device (the
+    CPU here; CUDA on a GPU machine, where it also synchronises before reading the clock)."""
+    from entmtp_ray.decode.tree import load_topology
+    from entmtp_ray.model.loading import load_model
+
+    loaded = load_model(str(tiny_model_dirs[0]), dtype="fp32", device="cpu")
+    costs = bench_engine.verify_cost(loaded, loaded.encode_prompt("Hello there"),
+                                     {1: load_topology("ar"), 64: load_topology("hydra")}, repeats=2)
+    assert set(costs) == {1, 64} and all(ms > 0 for ms in costs.values())

@@ -82,3 +82,50 @@ def test_trace_signal_records_the_running_entropy_before_each_step(local_dirs):
     assert signals == pytest.approx(want, abs=1e-4)
     plain = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=30)).run("r1", "Write a poem.")
     assert plain["step_signals"] is None and plain["output_token_ids"] == out
+
+
+def make_sentencepiece_vicuna(root):
+    """A tiny Vicuna-shaped model directory whose tokenizer is only a sentencepiece `tokenizer.model`, as
+    lmsys/vicuna-7b-v1.3 ships it (no tokenizer.json): BPE with byte fallback, <unk>=0, <s>=1, </s>=2,
+    a LlamaTokenizer config; the Llama has no GQA, rope theta 1e4, RMS eps 1e-6 and 2048 positions."""
+    import json
+
+    import sentencepiece as spm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = root / "tiny-vicuna-sp"
+    model_dir.mkdir()
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(["A chat between a curious user and an artificial intelligence assistant. USER: "
+                                 "What is 2+3? ASSISTANT: It is 5.", "Write a Python function that adds two numbers."]
+                                * 50))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(model_dir / "tokenizer"), vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   minloglevel=2)
+    (model_dir / "tokenizer.vocab").unlink()
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": False, "model_max_length": 2048}))
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=400, max_position_embeddings=2048, rope_theta=1e4,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    return model_dir
+
+
+def test_a_sentencepiece_only_tokenizer_loads_as_vicunas_does(tmp_path):
+    """lmsys/vicuna-7b-v1.3 has only tokenizer.model: without sentencepiece, transformers 5 fell back to
+    tiktoken and raised ValueError, which failed every actor's constructor."""
+    model_dir = make_sentencepiece_vicuna(tmp_path)
+    assert sorted(p.name for p in model_dir.iterdir() if "token" in p.name) == ["tokenizer.model",
+                                                                               "tokenizer_config.json"]
+    loaded = load_model(str(model_dir), dtype="fp32", device="cpu")
+    assert loaded.chat_format == "vicuna_v1.1" and loaded.eos_token_ids == frozenset({2})
+    ids = loaded.encode_prompt("What is 2+3?")
+    assert ids[0] == 1 and loaded.tokenizer.decode(ids, skip_special_tokens=True).rstrip().endswith(
+        "USER: What is 2+3? ASSISTANT:")
+    engine = Engine(ModelConfig(model=str(model_dir), dtype="fp32", device="cpu"),
+                    DecodingConfig(policy="ar", max_new_tokens=8))
+    row = engine.run("r", "What is 2+3?")
+    assert row["error"] is None and row["num_output_tokens"] > 0

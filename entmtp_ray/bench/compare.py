@@ -21,7 +21,7 @@ import torch
 from entmtp_ray.decode.acceptance import greedy_up_to_tie
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.loop import GenerationResult, StepTrace, row_generator
-from entmtp_ray.model.loading import LoadedModel, embedded_source
+from entmtp_ray.model.loading import LoadedModel, embedded_source, synchronize
 from entmtp_ray.pipeline.assemble import BANK_POLICIES, Stack, policy_for
 from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, RowContext, error_row, result_row
 
@@ -55,10 +55,13 @@ class HFGenerate:
             if cfg.temperature > 0 else {"do_sample": False}
         if self.prompt_lookup:
             kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup
+        inputs = torch.tensor([ids], device=self.loaded.device)
+        synchronize(self.loaded.device)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self.loaded.model.generate(torch.tensor([ids]), max_new_tokens=cfg.max_new_tokens,
+            out = self.loaded.model.generate(inputs, max_new_tokens=cfg.max_new_tokens,
                                              eos_token_id=sorted(self.loaded.eos_token_ids), **kwargs)
+        synchronize(self.loaded.device)
         seconds = time.perf_counter() - start
         return _baseline_result(self.loaded, ids, out[0, len(ids):].tolist(), seconds, not self.prompt_lookup)
 
@@ -88,14 +91,15 @@ class LlamaCpp:
 @torch.inference_mode()
 def continuation_logits(loaded: LoadedModel, ids: list[int], output: list[int]) -> torch.Tensor:
     """The base model's logits before each token of `output` after `ids`: [len(output), V], one forward."""
-    return loaded.model(torch.tensor([ids + output])).logits[0, len(ids) - 1: len(ids) + len(output) - 1]
+    inputs = torch.tensor([ids + output], device=loaded.device)
+    return loaded.model(inputs).logits[0, len(ids) - 1: len(ids) + len(output) - 1]
 
 
 def output_nll(logits: torch.Tensor, output: list[int]) -> float | None:
     """Mean negative log-likelihood (nats, T=1) of `output` from its continuation_logits."""
     if not output:
         return None
-    return float(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(output)))
+    return float(torch.nn.functional.cross_entropy(logits.float(), torch.tensor(output, device=logits.device)))
 
 
 def compare_greedy(got: list[int], want: list[int], want_logits: torch.Tensor, dtype: torch.dtype) -> str:
@@ -106,7 +110,8 @@ def compare_greedy(got: list[int], want: list[int], want_logits: torch.Tensor, d
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if i is None:
         return "differs"
-    both = greedy_up_to_tie(want_logits[i].expand(2, -1), torch.tensor([got[i], want[i]]), dtype)
+    both = greedy_up_to_tie(want_logits[i].expand(2, -1), torch.tensor([got[i], want[i]], device=want_logits.device),
+                            dtype)
     return "tie" if bool(both.all()) else "differs"
 
 
@@ -117,9 +122,11 @@ def weight_read_seconds(loaded: LoadedModel, repeats: int = 7) -> tuple[int, flo
     times = []
     with torch.inference_mode():
         for _ in range(repeats):
+            synchronize(loaded.device)
             start = time.perf_counter()
             for param in params:
                 param.sum()
+            synchronize(loaded.device)
             times.append(time.perf_counter() - start)
     return sum(p.numel() * p.element_size() for p in params), statistics.median(times)
 

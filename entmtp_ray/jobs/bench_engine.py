@@ -26,12 +26,16 @@ from entmtp_ray.decode.tree import Topology, build_buffers, load_topology, make_
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.kernels import linear
+from entmtp_ray.model.loading import synchronize
 from entmtp_ray.pipeline.assemble import load_stack
 
 
 def hf_generate_tps(loaded, ids, max_new):
+    inputs = torch.tensor([ids], device=loaded.device)
+    synchronize(loaded.device)
     start = time.perf_counter()
-    out = loaded.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new)
+    out = loaded.model.generate(inputs, do_sample=False, max_new_tokens=max_new)
+    synchronize(loaded.device)
     return (out.shape[1] - len(ids)) / (time.perf_counter() - start)
 
 
@@ -73,19 +77,22 @@ def verify_cost(loaded, prompt_ids, trees, repeats=10):
                     len(prompt_ids) + 128, loaded.dtype, loaded.device)
     costs = {}
     with torch.inference_mode():
-        ids = torch.tensor(prompt_ids)
-        forward_hidden(model, cache, ids, torch.arange(len(ids)))
-        cache.keep(torch.arange(len(ids)))
+        device = loaded.device
+        ids = torch.tensor(prompt_ids, device=device)
+        forward_hidden(model, cache, ids, torch.arange(len(ids), device=device))
+        cache.keep(torch.arange(len(ids), device=device))
         for label, topology in trees.items():
-            buffers = build_buffers(topology)
-            tokens = torch.randint(0, cfg.vocab_size, (buffers.num_nodes,))
+            buffers = build_buffers(topology, device)
+            tokens = torch.randint(0, cfg.vocab_size, (buffers.num_nodes,), device=device)
             positions = cache.length + buffers.depth_of
+            rows = buffers.scored_nodes if buffers.num_nodes > 1 else torch.tensor([0], device=device)
             times = []
             for _ in range(repeats):
+                synchronize(device)
                 start = time.perf_counter()
                 hidden = forward_hidden(model, cache, tokens, positions, buffers.tree_mask)
-                rows = buffers.scored_nodes if buffers.num_nodes > 1 else torch.tensor([0])
                 linear(hidden[rows], model.lm_head)
+                synchronize(device)
                 times.append(time.perf_counter() - start)
             costs[label] = 1e3 * statistics.median(times)
     return costs
@@ -98,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--device", default="auto", help="cpu | cuda[:N] | auto (inputs go to the model's device, and "
+                        "every clock is read after the device has finished)")
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped ones; "
                         "'untrained' = random heads)")
     parser.add_argument("--trees", nargs="+", default=["ar", "hydra"],
@@ -115,7 +124,7 @@ def main(argv=None) -> int:
                 load_topology(name)
             except (ValueError, OSError) as exc:
                 parser.error(f"--trees {name}: {exc}" + ("" if bank else "; bank trees need --bank FILE"))
-    stack = load_stack(ModelConfig(heads=args.heads, dtype=args.dtype, device="cpu"), with_heads=True)
+    stack = load_stack(ModelConfig(heads=args.heads, dtype=args.dtype, device=args.device), with_heads=True)
     loaded = stack.loaded
     with open(args.prompts_file) as f:
         prompts = [loaded.encode_prompt(json.loads(line)["prompt"]) for line in f if line.strip()]

