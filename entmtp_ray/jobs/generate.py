@@ -25,7 +25,7 @@ from entmtp_ray.pipeline.manifest import check_or_write, run_settings
 from entmtp_ray.pipeline.outputs import check_output
 from entmtp_ray.pipeline.processor import build_processor
 from entmtp_ray.pipeline.sources import Location
-from entmtp_ray.pipeline.tasks import open_source, prompt_spec
+from entmtp_ray.pipeline.tasks import open_prompts, prompt_spec
 
 CONFIGS = (InputConfig, JobConfig, PoolConfig, ModelConfig, DecodingConfig)
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         check_output(location, job.resume)
         spec = prompt_spec(decoding.task, source.dataset, source.split, source.prompt_column, source.id_column,
                            source.messages_column)
-        files = open_source(spec) if spec.kind == "files" else None  # lists files and checks columns: no rows read
+        files = open_prompts(spec)  # lists files (or reaches the hub) and checks columns: no rows read
         settings, sources = run_settings(model_cfg, decoding, source, processor.plan.needs_heads,
                                          processor.plan.bank_path)
         check_or_write(location, settings, job.resume, sources)

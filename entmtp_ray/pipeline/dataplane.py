@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import posixpath
 import time
 
 import numpy as np
@@ -30,9 +29,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from entmtp_ray.config import JobConfig, PoolConfig
 from entmtp_ray.pipeline.outputs import finished_ids, summarize
 from entmtp_ray.pipeline.processor import Processor
-from entmtp_ray.pipeline.sources import Location, Source, file_format, read_file
-from entmtp_ray.pipeline.tasks import PromptSpec, check_columns, hub_chunks, load_hub, open_source, sample_keys, \
-    sharegpt_chunks, standardize
+from entmtp_ray.pipeline.sources import Location, Source, file_format, file_label, read_file
+from entmtp_ray.pipeline.tasks import PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +54,8 @@ class PromptFiles(FileBasedDatasource):
         return super()._open_input_source(filesystem, path, **open_args)
 
     def _read_stream(self, f, path: str):
-        label = "" if self._base is None else (posixpath.relpath(path, self._base) if self._base else path)
-        for chunk in read_file(f, path, label or posixpath.basename(path), self._spec.text_columns):
+        label = file_label(self._base, path)
+        for chunk in read_file(f, path, label, self._spec.text_columns):
             yield standardize(chunk, self._spec, label)
 
 
@@ -111,10 +109,6 @@ def read_prompts(spec: PromptSpec, source: Source | None = None) -> "ray.data.Da
     """The prompt rows of a spec as a lazy, streamed Dataset (`source`: the spec's files, if already listed)."""
     if spec.kind == "files":
         return ray.data.read_datasource(PromptFiles(source or open_source(spec), spec))
-    if spec.kind == "hub":  # fail here, before any work, if it cannot be reached or lacks the columns
-        features = load_hub(spec, streaming=True).features
-        if features is not None:
-            check_columns(spec, list(features))
     return ray.data.read_datasource(OneTaskPrompts(spec))
 
 
@@ -153,13 +147,11 @@ _DONE_CACHE: dict[str, pa.Array] = {}
 
 
 def _drop_finished(done_ref):
-    holder = [done_ref]  # inside a list, so that Ray passes the reference itself, not its value
-
-    def drop(batch: pa.Table) -> pa.Table:
-        key = holder[0].hex()
-        if key not in _DONE_CACHE:
+    def drop(batch: pa.Table) -> pa.Table:  # a reference captured by a closure reaches the task unresolved
+        key = done_ref.hex()
+        if key not in _DONE_CACHE:  # once per worker process
             _DONE_CACHE.clear()
-            _DONE_CACHE[key] = ray.get(holder[0])
+            _DONE_CACHE[key] = ray.get(done_ref)
         done = _DONE_CACHE[key]
         return batch.filter(pc.invert(pc.is_in(batch.column("id"), value_set=done))) if len(done) else batch
     return drop

@@ -90,7 +90,7 @@ def check_or_write(output: str | Location, settings: dict, resume: bool, sources
     """On a fresh output, write the manifest; on --resume, refuse (ValueError naming the fields) an output
     whose manifest holds other settings. An output of a release without manifests gets one. `output` is a
     path or URI (or its Location): the manifest goes through the output's own filesystem."""
-    location = output if isinstance(output, Location) else Location.of(output)
+    location = Location.of(output)
     if resume and location.exists(MANIFEST):
         written = json.loads(location.read_text(MANIFEST))
         changed = differences(written.get("settings", {}), settings)

