@@ -192,7 +192,7 @@ def test_draft_vocab_file_round_trip_and_errors(tmp_path):
 
 
 def test_verifier_stats_match_the_softmax_definition():
-    from entmtp_ray.decode.loop import _top1_probs, _verifier_stats
+    from entmtp_ray.decode.loop import _verifier_stats, verifier_stat
 
     logits = 4 * torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = 60.0  # nearly one-hot
@@ -204,5 +204,5 @@ def test_verifier_stats_match_the_softmax_definition():
     torch.testing.assert_close(torch.tensor(got_entropy, dtype=torch.double), entropy, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.tensor(got_top1, dtype=torch.double), probs.max(-1).values, atol=1e-6, rtol=1e-5)
     assert abs(got_entropy[3] - torch.log(torch.tensor(300.0)).item()) < 1e-4
-    torch.testing.assert_close(torch.tensor(_top1_probs(logits), dtype=torch.double), probs.max(-1).values,
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(verifier_stat("top1", logits).double(), probs.max(-1).values, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(verifier_stat("entropy", logits).double(), entropy, atol=1e-4, rtol=1e-4)

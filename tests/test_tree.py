@@ -242,6 +242,16 @@ def test_buffers_three_depths_uneven():
     _assert_eq(l3.child_select, T([0]))
     _assert_eq(b.scored_nodes, T([0, 1, 2, 4]))
     _assert_eq(b.row_of_node, T([0, 1, 2, -1, 3, -1, -1, -1]))
+    _assert_eq(b.logit_nodes, T([0, 1, 2, 4]))
+    assert b.node_rows == (0, 1, 2, -1, 3, -1, -1, -1) and not b.leaf_logits
+    assert [c.tolist() for c in b.chains] == [[0], [0, 1], [0, 2], [0, 3], [0, 1, 4], [0, 1, 5], [0, 2, 6],
+                                              [0, 1, 4, 7]]
+    assert [c.tolist() for c in b.child_nodes] == [[1, 2, 3], [4, 5], [6], [], [7], [], [], []]
+    # with leaf logits every node has a row: the scored ones first (acceptance reads rows 0..scored-1)
+    leafy = build_buffers(make_topology([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]), leaf_logits=True)
+    _assert_eq(leafy.logit_nodes, T([0, 1, 2, 4, 3, 5, 6, 7]))
+    _assert_eq(leafy.row_of_node, T([0, 1, 2, 4, 3, 5, 6, 7]))
+    assert leafy.num_scored == 4 and leafy.leaf_logits
 
 
 def test_child_select_skips_padding_of_a_smaller_first_parent():
@@ -264,7 +274,9 @@ def test_buffers_ar_one_node():
     _assert_eq(b.tree_mask, T([[True]]))
     _assert_eq(b.retrieve_indices, T([[0]]))
     assert b.scored_nodes.numel() == 0 and b.scored_nodes.dtype == torch.long
-    _assert_eq(b.row_of_node, T([-1]))
+    # the root has no children, but the token after it needs its logits: it is the one logit node
+    _assert_eq(b.logit_nodes, T([0]))
+    _assert_eq(b.row_of_node, T([0]))
 
 
 def test_buffers_consistent_on_hydra_tree():

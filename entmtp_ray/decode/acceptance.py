@@ -9,6 +9,8 @@ result is the accepted node chain, root first; its length is the step's accepted
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from entmtp_ray.config import TYPICAL_ALPHA, TYPICAL_EPSILON
@@ -40,33 +42,43 @@ def _path_parts(tokens, row_of_node, retrieve):
     parent = retrieve[:, :-1]  # [paths, depth]
     child = retrieve[:, 1:]  # [paths, depth], -1 = pad
     valid = child >= 0
-    parent_rows = row_of_node[parent.clamp(min=0)].clamp(min=0)  # [paths, depth]; a valid child's parent is scored
+    # a valid child's parent is scored (a row below the scored count); a pad's row may be a leaf's: row 0
+    parent_rows = torch.where(valid, row_of_node[parent.clamp(min=0)], 0)  # [paths, depth]
     child_tokens = tokens[child.clamp(min=0)]  # [paths, depth]
     return valid, parent_rows, child_tokens
 
 
-def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor,
-                  retrieve: torch.Tensor) -> torch.Tensor:
-    """Longest path whose every token is the verifier's argmax after its parent.
+def greedy_path(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor,
+                retrieve: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The longest path whose every token is the verifier's argmax after its parent, on the device.
 
     tokens: [n]; logits: [scored, V]; row_of_node: [n] (-1 = unscored); retrieve: [paths, depth + 1].
-    Returns accepted node indices [a], root first. Siblings are distinct tokens, so the accepted
-    chain is unique and equals what plain greedy decoding would produce.
+    Returns (row of `retrieve`, accepted drafts on it), each [1]: no host synchronisation. Siblings are
+    distinct tokens, so the accepted chain is unique and equals what plain greedy decoding would produce.
     """
     valid, parent_rows, child_tokens = _path_parts(tokens, row_of_node, retrieve)
     match = valid & (child_tokens == argmax_rows(logits)[parent_rows])
     lengths = match.long().cumprod(1).sum(1)  # [paths]
-    best = int(lengths.argmax())
-    return retrieve[best, : int(lengths[best]) + 1]
+    best = lengths.argmax().view(1)
+    return best, lengths.index_select(0, best)
 
 
-def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor, retrieve: torch.Tensor,
-                   temperature: float, epsilon: float = TYPICAL_EPSILON, alpha: float = TYPICAL_ALPHA) -> torch.Tensor:
+def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor,
+                  retrieve: torch.Tensor) -> torch.Tensor:
+    """greedy_path's accepted node indices [a], root first (reads the length back to the host)."""
+    best, length = greedy_path(tokens, logits, row_of_node, retrieve)
+    return retrieve[int(best), : int(length) + 1]
+
+
+def typical_path(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor, retrieve: torch.Tensor,
+                 temperature: float, epsilon: float = TYPICAL_EPSILON,
+                 alpha: float = TYPICAL_ALPHA) -> tuple[torch.Tensor, torch.Tensor]:
     """Hydra/Medusa typical acceptance: accept x after parent p when
     p(x) > min(epsilon, alpha * exp(-H(p))), p the verifier distribution at `temperature`.
 
-    The longest accepted prefix wins; ties go to the highest summed log-probability.
-    Not distribution-preserving (docs/design.md §2). At temperature 0 use greedy_accept.
+    The longest accepted prefix wins; ties go to the highest summed log-probability. Returns (row of
+    `retrieve`, accepted drafts on it), each [1], without a host synchronisation (greedy_path's shapes).
+    Not distribution-preserving (docs/design.md §2). At temperature 0 use greedy_path.
     """
     assert temperature > 0
     valid, parent_rows, child_tokens = _path_parts(tokens, row_of_node, retrieve)
@@ -77,19 +89,33 @@ def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torc
     child_log_probs = log_probs[parent_rows, child_tokens]  # [paths, depth]
     accept = valid & (probs[parent_rows, child_tokens] > threshold[parent_rows])
     prefix = accept.long().cumprod(1)  # [paths, depth], 1 while still accepted
-    lengths = prefix.sum(1)
-    longest = int(lengths.max())
-    if longest == 0:
-        return retrieve[0, :1]
-    score = (child_log_probs * prefix).sum(1)
-    score = torch.where(lengths == longest, score, torch.full_like(score, -float("inf")))
-    best = int(score.argmax())
-    return retrieve[best, : longest + 1]
+    lengths = prefix.sum(1)  # [paths]
+    score = torch.where(prefix.bool(), child_log_probs, 0.0).sum(1)  # a masked token's -inf never meets a 0
+    score = torch.where(lengths == lengths.max(), score, -float("inf"))  # nothing accepted: every path ties, row 0
+    best = score.argmax().view(1)
+    return best, lengths.index_select(0, best)
 
 
-def exact_accept(tokens: list[int], logits: torch.Tensor, row_of_node: torch.Tensor,
-                 children: tuple[tuple[int, ...], ...], temperature: float,
-                 generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor, retrieve: torch.Tensor,
+                   temperature: float, epsilon: float = TYPICAL_EPSILON, alpha: float = TYPICAL_ALPHA) -> torch.Tensor:
+    """typical_path's accepted node indices [a], root first (reads the length back to the host)."""
+    best, length = typical_path(tokens, logits, row_of_node, retrieve, temperature, epsilon, alpha)
+    return retrieve[int(best), : int(length) + 1]
+
+
+def exact_draws(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor, parent_of: torch.Tensor,
+                temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """What exact acceptance's walk reads, computed on the device in one go: [2, n] holding, per node,
+    p(its token | its parent) under the verifier at `temperature` (the root: 1) and a uniform draw."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [scored, V]
+    parent_rows = row_of_node[parent_of.clamp(min=0)].clamp(min=0)  # [n]; every child's parent is scored
+    child_p = torch.where(parent_of >= 0, probs[parent_rows, tokens], 1.0)
+    uniforms = torch.rand(tokens.shape[0], generator=generator, device=probs.device)
+    return torch.stack([child_p, uniforms])
+
+
+def exact_walk(tokens: list[int], child_p: list[float], uniforms: list[float],
+               children: tuple[tuple[int, ...], ...]) -> tuple[list[int], list[int]]:
     """Multi-candidate speculative sampling down the tree; preserves the verifier's distribution at T.
 
     From the root, a node's children are tried in rank order (SpecInfer / EAGLE-2 recursive
@@ -100,23 +126,21 @@ def exact_accept(tokens: list[int], logits: torch.Tensor, row_of_node: torch.Ten
     are rejected the next token comes from p without them: every token keeps its probability
     under p. An accepted child becomes the node and the walk repeats.
 
-    tokens: [n] node tokens; logits: [scored, V] verifier logits at the scored nodes; row_of_node:
-    [n] (-1 = leaf); children: per node, child nodes in rank order. Returns (accepted nodes, root
-    first; the tokens rejected after the last one), and the caller samples the next token from the
-    last node's distribution at T with the rejected tokens removed.
+    Host only, on exact_draws' values: tokens, child_p, uniforms: [n] per node; children: per node,
+    child nodes in rank order. Returns (accepted nodes, root first; the tokens rejected after the last
+    one), and the caller samples the next token from the last node's distribution at T with the
+    rejected tokens removed.
     """
-    assert temperature > 0
     node, path = 0, [0]
     while children[node]:
-        probs = torch.softmax(logits[int(row_of_node[node])].float() / temperature, dim=-1)  # [V]
         rejected: list[int] = []
         remaining = 1.0  # residual mass: 1 - sum of p over rejected children
         for child in children[node]:
             x = tokens[child]
             if x in rejected:  # a repeated draft has no residual mass left
                 continue
-            p = float(probs[x])
-            if float(torch.rand((), generator=generator, device=probs.device)) * remaining < p:
+            p = child_p[child]
+            if uniforms[child] * remaining < p:
                 path.append(child)
                 node = child
                 break
@@ -127,12 +151,48 @@ def exact_accept(tokens: list[int], logits: torch.Tensor, row_of_node: torch.Ten
     return path, []
 
 
-def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """The token after the last accepted node: argmax at T=0, else a sample at temperature T.
+def exact_accept(tokens, logits: torch.Tensor, row_of_node: torch.Tensor,
+                 children: tuple[tuple[int, ...], ...], temperature: float,
+                 generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """exact_walk over exact_draws for one tree step (one read back to the host).
 
-    logits: [V].
+    tokens: [n] node tokens (list or tensor); logits: [scored, V] verifier logits at the scored nodes;
+    row_of_node: [n] (-1 = leaf); children: per node, child nodes in rank order.
+    """
+    assert temperature > 0
+    device = logits.device
+    tokens = torch.as_tensor(tokens, device=device)
+    draws = exact_draws(tokens, logits, row_of_node, _parents(children, device), temperature, generator)
+    n = tokens.numel()
+    pulled = torch.cat([draws.double().reshape(-1), tokens.double()]).tolist()  # one read-back
+    return exact_walk([int(t) for t in pulled[2 * n:]], pulled[:n], pulled[n:2 * n], children)
+
+
+@functools.lru_cache(maxsize=256)
+def _parents(children: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
+    """Each node's parent ([n], root -1) on `device`, made once per tree: a host-to-device copy waits for
+    the device, so not once per step."""
+    parent_of = [-1] * len(children)
+    for node, kids in enumerate(children):
+        for child in kids:
+            parent_of[child] = node
+    return torch.tensor(parent_of, device=device)
+
+
+def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """The token after the last accepted node, [1] on the device: argmax at T=0, else a sample at T.
+
+    logits: [V]. The sample is `torch.multinomial(softmax(logits / T), 1)`'s own method (the argmax of
+    p / q, q ~ Exp(1), one draw per token), so it draws the same token from the same generator state,
+    without multinomial's checks that read the probabilities back to the host.
     """
     if temperature <= 0:
-        return int(argmax_rows(logits))
+        return argmax_rows(logits).view(1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return argmax_rows(probs / q).view(1)
+
+
+def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """sample_token, read back to the host."""
+    return int(sample_token(logits, temperature, generator))

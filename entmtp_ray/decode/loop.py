@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from entmtp_ray.decode.acceptance import exact_accept, greedy_accept, next_token, typical_accept
+from entmtp_ray.decode.acceptance import exact_accept, greedy_path, next_token, sample_token, typical_path
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.model.heads import HeadsPlan, HydraHeads
 from entmtp_ray.model.kv_cache import KVCache
@@ -24,6 +24,7 @@ from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan, Projection, prepare
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import Policy, Signal, make_signal
+from entmtp_ray.decode.static import STATIC_CAPACITY, StaticKVCache, TreeVerifier
 from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_topology, load_topology
 
 
@@ -117,7 +118,7 @@ class NoDrafter:
 
     def draft(self, buffers, root):
         assert buffers.num_nodes == 1
-        return torch.tensor([root], device=self.device)
+        return torch.full((1,), root, dtype=torch.long, device=self.device)  # a fill, not a host-to-device copy
 
     def advance(self, base_hidden, positions):
         pass
@@ -191,19 +192,19 @@ def row_generator(seed: int, row_id: str, device) -> torch.Generator:
     return gen
 
 
-def _verifier_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
-    """Entropy (nats) and top-1 probability of each row of logits [a, V] at T=1, in fused kernels
-    (log_softmax, one dot product per row)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1).clamp_min_(-1e4)  # [a, V]; masked tokens: p = 0, finite
-    probs = log_probs.exp()
-    entropy = -torch.linalg.vecdot(probs, log_probs)  # [a]
-    return entropy.tolist(), probs.amax(-1).tolist()
-
-
-def _top1_probs(logits: torch.Tensor) -> list[float]:
-    """Top-1 probability of each row of logits [a, V] at T=1: exp(max - logsumexp), no softmax written."""
+def verifier_stat(stat: str, logits: torch.Tensor) -> torch.Tensor:
+    """The verifier statistic a signal reads at each row of logits [a, V] at T=1, [a] on the device:
+    `entropy` (nats; log_softmax and one dot product per row) or `top1` (exp(max - logsumexp))."""
     logits = logits.float()
-    return (logits.amax(-1) - torch.logsumexp(logits, dim=-1)).exp().tolist()
+    if stat == "top1":
+        return (logits.amax(-1) - torch.logsumexp(logits, dim=-1)).exp()
+    log_probs = torch.log_softmax(logits, dim=-1).clamp_min_(-1e4)  # [a, V]; masked tokens: p = 0, finite
+    return -torch.linalg.vecdot(log_probs.exp(), log_probs)
+
+
+def _verifier_stats(logits: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Entropy (nats) and top-1 probability of each row of logits [a, V] at T=1, on the host."""
+    return verifier_stat("entropy", logits).tolist(), verifier_stat("top1", logits).tolist()
 
 
 PHASES = ("choose", "draft", "verify", "accept", "commit", "observe")  # one step, in order
@@ -236,14 +237,38 @@ class Verified:
     tokens: torch.Tensor  # [n] the tree's tokens, root first
     committed: int  # cache length before the step (position of the root)
     hidden: torch.Tensor  # [n, H] base model's last hidden state per node
-    scored_logits: torch.Tensor  # [scored, V] verifier logits at the nodes with children
+    logits: torch.Tensor  # [rows, V] verifier logits at buffers.logit_nodes (the scored nodes' first)
+
+
+@dataclass
+class Accepted:
+    """A step's accepted path, read back to the host once (twice under exact acceptance, docs/design.md §8)."""
+
+    nodes: torch.Tensor  # [a] the accepted nodes on the device, root first
+    node_ids: list[int]  # the same on the host
+    tokens: list[int]  # their tokens (the first is the root, emitted by the step before)
+    root: int  # the token after them: the next step's root
+    stats: list[float]  # the traced signal's verifier statistic at each accepted node ([] when none is traced)
 
 
 class SpecDecoder:
     """Holds a model, its drafter and every tree a policy may pick (buffers built once)."""
 
-    def __init__(self, loaded: LoadedModel, drafter: Drafter | None, policy: Policy):
+    def __init__(self, loaded: LoadedModel, drafter: Drafter | None, policy: Policy, leaf_logits: bool | None = None,
+                 static: bool | None = None, graphs: bool | None = None):
+        """Each option defaults to on for CUDA and off elsewhere (docs/design.md §8):
+
+        `leaf_logits`: the verify forward projects every node, not just the scored ones, so a greedy step reads
+        back once (build_buffers); on CUDA a read-back waits for the queued kernels and the extra rows of the
+        vocabulary projection cost next to nothing; on CPU they cost more than a read-back saves.
+        `static`: verify on static shapes, over a cache allocated once at the model's context (decode/static.py);
+        `graphs`: capture each tree's static verify as a CUDA graph here, once, and replay it every step.
+        """
         self.loaded = loaded
+        cuda = loaded.device.type == "cuda"
+        leaf_logits = cuda if leaf_logits is None else leaf_logits
+        static = cuda if static is None else static
+        graphs = (cuda if graphs is None else graphs) and static
         self.drafter = drafter or NoDrafter(loaded.device)
         self.policy = policy
         self.buffers: dict[Topology, TreeBuffers] = {}
@@ -252,13 +277,20 @@ class SpecDecoder:
                 raise ValueError(f"policy '{policy.name}' drafts with tree '{topology.name}' but no heads were "
                                  "loaded; pass --heads DIR")
             checked = load_topology(topology, max_depth=self.drafter.max_depth)  # no deeper than the heads
-            self.buffers[topology] = build_buffers(checked, loaded.device)
-        self.ar = build_buffers(chain_topology(0), loaded.device)
+            self.buffers[topology] = build_buffers(checked, loaded.device, leaf_logits)
+        self.ar = build_buffers(chain_topology(0), loaded.device, leaf_logits)
         self.max_nodes = max(b.num_nodes for b in self.buffers.values())
         self.cache: KVCache | None = None
+        self.verifier: TreeVerifier | None = None
+        if static:
+            cfg = loaded.model.config
+            self.cache = StaticKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                       min(loaded.max_positions, STATIC_CAPACITY), loaded.dtype, loaded.device)
+            self.verifier = TreeVerifier(loaded.model, prepare(loaded.model), self.cache,
+                                         [*self.buffers.values(), self.ar], capture=graphs)
 
     def _cache_for(self, capacity: int) -> KVCache:
-        if self.cache is None or self.cache.capacity < capacity:
+        if self.verifier is None and (self.cache is None or self.cache.capacity < capacity):
             cfg = self.loaded.model.config  # transformers fills head_dim (hidden / heads) when a config omits it
             self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity,
                                  self.loaded.dtype, self.loaded.device)
@@ -302,11 +334,10 @@ class SpecDecoder:
     def prefill(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None,
                 profile: bool = False) -> Request:
         """The prompt, causally, into a fresh cache; its last logits give the first token (the first root)."""
-        capacity = min(self.loaded.max_positions, len(prompt_ids) + cfg.max_new_tokens + max(self.max_nodes,
-                                                                                            ONE_TOKEN_ROWS))
+        context = self.cache.capacity if self.verifier is not None else self.loaded.max_positions
+        capacity = min(context, len(prompt_ids) + cfg.max_new_tokens + max(self.max_nodes, ONE_TOKEN_ROWS))
         if len(prompt_ids) >= capacity:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
-                             f"{self.loaded.max_positions}-token context")
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's {context}-token context")
         self.policy.reset()
         dev = self.loaded.device
         plan = prepare(self.loaded.model)  # weights checked once per generation, not per step
@@ -340,13 +371,13 @@ class SpecDecoder:
         verified = self.verify(request, buffers, tokens)
         clock.mark("verify")
         # 4) accept a path, then pick the token after it
-        accepted, last_logits = self.accept(request, verified)
+        accepted = self.accept(request, verified)
         clock.mark("accept")
         # 5) commit the accepted path to both caches and emit its tokens
         emitted = self.commit(request, verified, accepted)
         clock.mark("commit")
         # 6) let the policy (and the signal) see the step
-        trace = self.observe(request, verified, accepted, last_logits, emitted, signal)
+        trace = self.observe(request, verified, accepted, emitted, signal)
         clock.mark("observe")
         request.schedule_s += sum(clock.seconds[phase] for phase in SCHEDULING)
         if request.profile:
@@ -363,70 +394,121 @@ class SpecDecoder:
         return self.ar if committed + 1 <= request.capacity else None
 
     def verify(self, request: Request, buffers: TreeBuffers, tokens: torch.Tensor) -> Verified:
-        """One forward of the base model over the tree's nodes, and the verifier logits of the scored ones."""
+        """One forward of the base model over the tree's nodes, and the verifier logits of its logit nodes."""
         committed = self.cache.length
         positions = committed + buffers.depth_of  # [n]
+        if self.verifier is not None:
+            hidden, logits = self.verifier(buffers, tokens, committed)
+            return Verified(buffers, tokens, committed, hidden, logits)
         hidden = forward_hidden(self.loaded.model, self.cache, tokens, positions, buffers.tree_mask,
                                 request.plan)  # [n, H]
-        scored_logits = request.plan.lm_head(hidden[buffers.scored_nodes])  # [scored, V]
-        return Verified(buffers, tokens, committed, hidden, scored_logits)
+        logits = request.plan.lm_head(hidden[buffers.logit_nodes])  # [rows, V]
+        return Verified(buffers, tokens, committed, hidden, logits)
 
-    def accept(self, request: Request, verified: Verified) -> tuple[torch.Tensor, torch.Tensor]:
-        """The accepted nodes ([a], root first) under the request's acceptance rule, and the logits ([V])
-        after the last of them; sets the request's next root (from the residual under exact acceptance)."""
+    def accept(self, request: Request, verified: Verified) -> Accepted:
+        """The accepted path under the request's acceptance rule and the token after it (the request's next
+        root), computed on the device and read back once: greedy and typical acceptance pick a row of the
+        retrieve indices there; exact acceptance walks the tree on the host (exact_accept's read-back), and
+        the residual's sample is a second one. A last node without logits (a leaf, unless the buffers have
+        leaf logits) costs one more."""
         cfg, buffers, tokens = request.cfg, verified.buffers, verified.tokens
-        scored_logits, rejected = verified.scored_logits, []
+        stat = request.tracer.stat if request.tracer is not None else None
+        scored = verified.logits[:buffers.num_scored]  # [scored, V]
+        if buffers.children[0] and cfg.temperature > 0 and cfg.acceptance == "exact":
+            path, rejected = exact_accept(tokens, scored, buffers.row_of_node, buffers.children, cfg.temperature,
+                                          request.generator)
+            last = path[-1]
+            chain = buffers.chains[last]  # the walk's path: the nodes root..last
+            logits = self._logits_at(request, verified, last)  # [V]
+            if rejected:  # every child of `last` was tried and rejected: sample from the residual
+                logits = logits.index_fill(0, tokens[buffers.child_nodes[last]], float("-inf"))
+            parts = [sample_token(logits, cfg.temperature, request.generator), tokens[chain]]
+            if stat is not None:
+                parts.append(self._path_stats(stat, request, verified, chain))
+            pulled = _read_back(parts)
+            a = len(path)
+            return Accepted(chain, path, [int(t) for t in pulled[1:1 + a]], int(pulled[0]), pulled[1 + a:])
         if not buffers.children[0]:  # the one-node tree drafted nothing: the root alone, no rule to run
-            accepted = buffers.retrieve_indices[0]
-        elif cfg.temperature > 0 and cfg.acceptance == "exact":
-            path, rejected = exact_accept(tokens.tolist(), scored_logits, buffers.row_of_node, buffers.children,
-                                          cfg.temperature, request.generator)
-            accepted = torch.tensor(path, device=tokens.device)
-        elif cfg.temperature > 0 and cfg.acceptance == "typical":
-            accepted = typical_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices,
-                                      cfg.temperature, cfg.typical_epsilon, cfg.typical_alpha)
+            best = length = torch.zeros(1, dtype=torch.long, device=tokens.device)
+        elif cfg.temperature > 0:
+            best, length = typical_path(tokens, scored, buffers.row_of_node, buffers.retrieve_indices,
+                                        cfg.temperature, cfg.typical_epsilon, cfg.typical_alpha)
         else:
-            accepted = greedy_accept(tokens, scored_logits, buffers.row_of_node, buffers.retrieve_indices)
-        last = int(accepted[-1])
-        last_row = int(buffers.row_of_node[last])
-        last_logits = scored_logits[last_row] if last_row >= 0 else request.plan.lm_head(verified.hidden[last])  # [V]
-        root_logits = last_logits
-        if rejected:  # exact acceptance: the next token comes from the residual
-            root_logits = last_logits.index_fill(0, torch.tensor(rejected, device=tokens.device), float("-inf"))
-        request.root = next_token(root_logits, cfg.temperature, request.generator)
-        return accepted, last_logits
+            best, length = greedy_path(tokens, scored, buffers.row_of_node, buffers.retrieve_indices)
+        path = buffers.retrieve_indices.index_select(0, best)[0]  # [depth + 1], -1 padded after the leaf
+        nodes = path.clamp(min=0)
+        last_row = buffers.row_of_node[nodes].index_select(0, length)  # [1]; -1: the last node has no logits
+        # the token after the path when its last node has logits: right but for a leaf without them, and
+        # free to compute at T=0; under sampling it would spend the generator's draws, so only when surely right
+        guess = buffers.leaf_logits or cfg.temperature <= 0
+        parts = [length, nodes, tokens[nodes]]
+        if guess:
+            parts.append(sample_token(verified.logits.index_select(0, last_row.clamp(min=0))[0], cfg.temperature,
+                                      request.generator))
+        if stat is not None:
+            parts.append(self._path_stats(stat, request, verified, nodes))
+        pulled = _read_back(parts)  # the step's one read-back
+        a, width = int(pulled[0]) + 1, nodes.numel()
+        node_ids = [int(i) for i in pulled[1:1 + a]]
+        accepted = [int(t) for t in pulled[1 + width:1 + width + a]]
+        last, rest = node_ids[-1], pulled[1 + 2 * width:]
+        if guess and buffers.node_rows[last] >= 0:
+            return Accepted(path[:a], node_ids, accepted, int(rest[0]), rest[1:1 + a])
+        # the last node is a leaf without logits (CPU buffers): its logits, the token after it and its statistic
+        logits = self._logits_at(request, verified, last)
+        parts = [sample_token(logits, cfg.temperature, request.generator)]
+        if stat is not None:
+            parts.append(verifier_stat(stat, logits[None]))
+        more = _read_back(parts)
+        stats = rest[guess:guess + a - 1] + more[1:] if stat is not None else []
+        return Accepted(path[:a], node_ids, accepted, int(more[0]), stats)
 
-    def commit(self, request: Request, verified: Verified, accepted: torch.Tensor) -> int:
+    def _logits_at(self, request: Request, verified: Verified, node: int) -> torch.Tensor:
+        """The verifier logits ([V]) after `node`: its row, or a projection of its hidden state when it has none."""
+        row = verified.buffers.node_rows[node]
+        return verified.logits[row] if row >= 0 else request.plan.lm_head(verified.hidden[node])
+
+    def _path_stats(self, stat: str, request: Request, verified: Verified, nodes: torch.Tensor) -> torch.Tensor:
+        """The statistic at each of `nodes` ([k] on the device) that has logits (garbage at the others); its
+        time counts as scheduling (on CUDA: the time to queue it)."""
+        start = time.perf_counter()
+        rows = verified.buffers.row_of_node[nodes].clamp(min=0)
+        values = verifier_stat(stat, verified.logits.index_select(0, rows))
+        request.schedule_s += time.perf_counter() - start
+        return values
+
+    def commit(self, request: Request, verified: Verified, accepted: Accepted) -> int:
         """Keep the accepted path in the base model's and the drafter's caches, and emit its tokens and the
         next root (up to EOS or the token limit). Returns how many tokens the step added."""
-        self.cache.keep(accepted)
-        positions = verified.committed + torch.arange(accepted.numel(), device=accepted.device)
-        self.drafter.advance(verified.hidden[accepted], positions)
+        nodes, a = accepted.nodes, len(accepted.node_ids)
+        self.cache.keep(nodes, contiguous=accepted.node_ids == list(range(a)))
+        positions = verified.committed + torch.arange(a, device=nodes.device)
+        self.drafter.advance(verified.hidden[nodes], positions)
+        request.root = accepted.root
         before = len(request.output)
-        new_tokens = verified.tokens[accepted[1:]].tolist() + [request.root]
-        request.finish = _extend(request.output, new_tokens, self.loaded.eos_token_ids, request.cfg.max_new_tokens)
+        request.finish = _extend(request.output, accepted.tokens[1:] + [accepted.root], self.loaded.eos_token_ids,
+                                 request.cfg.max_new_tokens)
         return len(request.output) - before
 
-    def observe(self, request: Request, verified: Verified, accepted: torch.Tensor, last_logits: torch.Tensor,
-                emitted: int, signal: float | None) -> StepTrace:
+    def observe(self, request: Request, verified: Verified, accepted: Accepted, emitted: int,
+                signal: float | None) -> StepTrace:
         """The step's trace, with the verifier statistic the signal reads (only that one), shown to the
         policy and, when the decoder owns it, to the traced signal."""
-        buffers = verified.buffers
         stat = request.tracer.stat if request.tracer is not None else None
-        entropy = top1 = []
-        if stat is not None:
-            rows = buffers.row_of_node[accepted[:-1]]
-            logits = torch.cat([verified.scored_logits[rows], last_logits[None]])  # [a, V]
-            if stat == "top1":
-                top1 = _top1_probs(logits)
-            else:
-                entropy = _verifier_stats(logits)[0]
-        trace = StepTrace(buffers.topology.name, buffers.num_nodes, emitted, entropy, top1, signal)
+        entropy = accepted.stats if stat == "entropy" else []
+        top1 = accepted.stats if stat == "top1" else []
+        trace = StepTrace(verified.buffers.topology.name, verified.buffers.num_nodes, emitted, entropy, top1, signal)
         request.steps.append(trace)
         self.policy.observe(trace)
         if request.own_tracer:
             request.tracer.update(trace)
         return trace
+
+
+def _read_back(parts: list[torch.Tensor]) -> list[float]:
+    """Device tensors, concatenated and read back to the host in one synchronisation (as float64: token
+    ids and node indices below 2**53 come back exact)."""
+    return torch.cat([p.reshape(-1).double() for p in parts]).tolist()
 
 
 class _PhaseClock:

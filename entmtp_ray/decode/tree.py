@@ -167,11 +167,29 @@ class TreeBuffers:
     retrieve_indices: torch.Tensor  # [num_leaves, depth + 1] node indices root->leaf, -1 = pad
     levels: tuple[DraftLevel, ...]  # one per depth 1..depth
     scored_nodes: torch.Tensor  # [num_scored] nodes with children: their verifier logits decide acceptance
-    row_of_node: torch.Tensor  # [num_nodes] row in the scored logits, -1 for leaves
+    # the nodes whose verifier logits the verify forward computes: the scored ones first (rows
+    # 0..num_scored-1), then the root of the one-node tree, or with `leaf_logits` every leaf
+    logit_nodes: torch.Tensor  # [rows]
+    row_of_node: torch.Tensor  # [num_nodes] row in the verifier logits, -1 for a node without logits
+    node_rows: tuple[int, ...]  # row_of_node on the host
     children: tuple[tuple[int, ...], ...]  # per node, its child nodes in rank order (exact acceptance walks them)
+    chains: tuple[torch.Tensor, ...]  # per node, the nodes root..it ([depth + 1]): an accepted path ending there
+    child_nodes: tuple[torch.Tensor, ...]  # per node, `children` on the device
+
+    @property
+    def num_scored(self) -> int:
+        return self.scored_nodes.numel()
+
+    @property
+    def leaf_logits(self) -> bool:
+        """Whether every node has verifier logits (the step then needs no second read-back for a leaf)."""
+        return min(self.node_rows) >= 0
 
 
-def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> TreeBuffers:
+def build_buffers(topology: Topology, device: torch.device | str = "cpu", leaf_logits: bool = False) -> TreeBuffers:
+    """The topology's buffers on `device`. `leaf_logits`: the verify forward computes logits at every node,
+    not just at the scored ones, so the token after any accepted path is known without reading the path
+    back first (one host synchronisation per greedy step; the CUDA default, docs/design.md §8)."""
     index = {(): 0}
     for i, p in enumerate(topology.paths, start=1):
         index[p] = i
@@ -213,9 +231,12 @@ def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> Tre
             )
         )
     scored = sorted(index[p] for p in children)
+    unscored = [i for i in range(n) if i not in set(scored)]
+    logit_nodes = scored + (unscored if leaf_logits else unscored[:1] if n == 1 else [])
     child_nodes = tuple(tuple(index[p + (r,)] for r in range(children.get(p, 0))) for p in sorted(index, key=index.get))
+    chains = tuple(tuple(index[p[:k]] for k in range(len(p) + 1)) for p in sorted(index, key=index.get))
     row_of_node = torch.full((n,), -1, dtype=torch.long)
-    row_of_node[scored] = torch.arange(len(scored))
+    row_of_node[logit_nodes] = torch.arange(len(logit_nodes))
     return TreeBuffers(
         topology=topology,
         num_nodes=n,
@@ -225,6 +246,10 @@ def build_buffers(topology: Topology, device: torch.device | str = "cpu") -> Tre
         retrieve_indices=retrieve.to(device),
         levels=tuple(levels),
         scored_nodes=torch.tensor(scored, dtype=torch.long, device=device),
+        logit_nodes=torch.tensor(logit_nodes, dtype=torch.long, device=device),
         row_of_node=row_of_node.to(device),
+        node_rows=tuple(row_of_node.tolist()),
         children=child_nodes,
+        chains=tuple(torch.tensor(c, dtype=torch.long, device=device) for c in chains),
+        child_nodes=tuple(torch.tensor(c, dtype=torch.long, device=device) for c in child_nodes),
     )

@@ -32,10 +32,14 @@ class KVCache:
         self.v[layer, :, self.length:end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
-    def keep(self, indices: torch.Tensor) -> None:
-        """Commit the pending entries `indices` ([a], positions within the block) in order."""
+    def keep(self, indices: torch.Tensor, contiguous: bool | None = None) -> None:
+        """Commit the pending entries `indices` ([a], increasing positions within the block) in order.
+
+        `contiguous`: whether they are 0..a-1 (nothing to move), when the caller knows; else it is read
+        from the device (a host synchronisation)."""
         a = indices.numel()
-        contiguous = bool(a == 0 or (indices[-1].item() == a - 1))  # indices are increasing
+        if contiguous is None:
+            contiguous = bool(a == 0 or (indices[-1].item() == a - 1))
         if not contiguous:
             src = indices + self.length
             dst = slice(self.length, self.length + a)
