@@ -217,8 +217,10 @@ def heads_depth(directory: str | Path) -> int:
     directory = Path(directory)
     if (directory / CONFIG_FILE).is_file():
         return HeadsConfig.model_validate_json((directory / CONFIG_FILE).read_text()).num_heads
-    if (directory / "hydra_lm_head.pt").is_file() and (directory / "config.json").is_file():
-        return int(json.loads((directory / "config.json").read_text())["hydra_num_heads"])
+    if (directory / "config.json").is_file():  # the weights need not be here: a hub id's configs come first
+        raw = json.loads((directory / "config.json").read_text())
+        if "hydra_num_heads" in raw:
+            return int(raw["hydra_num_heads"])
     raise _no_heads(directory)
 
 

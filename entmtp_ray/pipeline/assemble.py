@@ -15,8 +15,8 @@ from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
 from entmtp_ray.decode.policy import POLICIES, Policy, make_policy
 from entmtp_ray.decode.tree import make_topology
-from entmtp_ray.model.loading import (UNTRAINED_HEADS, LoadedModel, available_depth, draft_vocab_for, load_model,
-                                      load_model_heads, resolve_heads_path)
+from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, draft_vocab_for,
+                                      heads_source, load_model, load_model_heads)
 
 ALL_POLICIES = sorted([*POLICIES, *BANK_POLICIES])
 
@@ -43,8 +43,9 @@ def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
 
 
 def plan(model_cfg: ModelConfig, decoding: DecodingConfig) -> Plan:
-    """Every config check that needs no model: policy, bank, tree files, heads directory and depth.
-    Raises ValueError/FileNotFoundError naming the fix."""
+    """Every config check that needs no model: the model's source, policy, bank, tree files, heads directory and
+    depth (hub ids: their JSON files only). Raises ValueError/FileNotFoundError naming the fix."""
+    check_model_source(model_cfg.model)
     bank_path = bank = None
     if decoding.policy in BANK_POLICIES:
         bank_path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
@@ -65,7 +66,7 @@ class Stack:
 
     loaded: LoadedModel
     drafter: HydraDrafter | None
-    heads_label: str | None  # the heads directory (or 'untrained'), for output rows
+    heads_label: str | None  # the heads directory, owner/name@commit of a hub id, or 'untrained', for output rows
     draft_vocab_size: int  # 0 = drafts over the full vocabulary
 
     @property
@@ -85,8 +86,7 @@ def load_stack(model_cfg: ModelConfig, with_heads: bool) -> Stack:
         return Stack(loaded, None, None, 0)
     heads = load_model_heads(loaded, model_cfg.heads)
     vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
-    label = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
-             else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
+    label = heads_source(model_cfg.model, model_cfg.heads)
     return Stack(loaded, HydraDrafter(heads, loaded.model, vocab), label, len(vocab) if vocab else 0)
 
 

@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from entmtp_ray.config import DecodingConfig, InputConfig, ModelConfig
+from entmtp_ray.model.hub import snapshot_label
 from entmtp_ray.model.loading import UNTRAINED_HEADS, resolve_heads_path
 from entmtp_ray.pipeline.sources import Location
 
@@ -47,15 +48,18 @@ def _version() -> str:
 def run_settings(model_cfg: ModelConfig, decoding: DecodingConfig, source: InputConfig | None,
                  needs_heads: bool, bank_path: Path | None) -> tuple[dict, dict]:
     """(settings, sources): everything an output row depends on, as JSON values compared field by field on
-    --resume (heads and bank by content, so a moved checkout still resumes), and where heads and bank
-    were read from, for people."""
-    heads_path = None
+    --resume (heads and bank by content, so a moved checkout still resumes; heads from the hub by their
+    `owner/name@commit`, since the driver holds only their configs), and where heads and bank were read
+    from, for people."""
+    heads_path = heads_id = None
     if needs_heads:
-        heads_path = (UNTRAINED_HEADS if model_cfg.heads == UNTRAINED_HEADS
-                      else str(resolve_heads_path(model_cfg.model, model_cfg.heads)))
+        heads_path = heads_id = UNTRAINED_HEADS
+        if model_cfg.heads != UNTRAINED_HEADS:
+            folder = resolve_heads_path(model_cfg.model, model_cfg.heads, config_only=True)
+            label = snapshot_label(folder)
+            heads_path, heads_id = (label, label) if label else (str(folder), content_hash(folder))
     settings = {"model": model_cfg.model_dump(exclude={"heads"}),
-                "heads_sha256": content_hash(Path(heads_path)) if heads_path not in (None, UNTRAINED_HEADS)
-                else heads_path,
+                "heads_sha256": heads_id,
                 "bank_sha256": content_hash(bank_path) if bank_path else None,
                 "decoding": decoding.model_dump(exclude={"bank"})}
     if source is not None:
