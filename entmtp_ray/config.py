@@ -26,7 +26,9 @@ class ModelConfig(BaseModel):
         "auto", description="auto = fp16 on CUDA; on CPU bf16 where the CPU has native bf16 (a tree step costs a "
         "third of fp32's, an AR step about the same), else fp32. Greedy output equals greedy decoding in that dtype "
         "(bf16/fp16: except at float ties; bit-stable labels need fp32)")
-    device: str = Field("auto", description="cpu | cuda[:N] | auto")
+    device: str = Field("auto", description="cpu | cuda[:N] | auto (a GPU if torch sees one). In the Ray job an actor "
+                        "without GPUs (--gpus-per-actor) runs on cpu, one with GPUs on the GPU Ray assigned it, whatever "
+                        "N; cuda with no usable GPU is an error, never a CPU run")
     chat_format: Literal["auto", "template", "vicuna_v1.1", "raw"] = Field(
         "auto", description="template = the tokenizer's own; auto picks vicuna_v1.1 for Vicuna models, else the "
         "tokenizer's template when it has one")
@@ -102,7 +104,10 @@ class PoolConfig(BaseModel):
     min_actors: int = Field(1, ge=1, description="actors kept alive (autoscaling pool minimum)")
     max_actors: int = Field(1, ge=1, description="actors at most; more need more CPUs/GPUs or nodes")
     cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; also its torch threads")
-    gpus_per_actor: float = Field(0.0, ge=0, description="GPUs per actor (1 on GPU clusters)")
+    gpus_per_actor: float | None = Field(
+        None, ge=0, description="GPUs each actor reserves; a fraction shares one (0.5: two actors per GPU). Absent: 1 "
+        "with --device cuda, with --device auto 1 if the Ray cluster has GPUs when the job starts, else 0; pass it "
+        "on an autoscaling cluster whose GPU nodes are not up yet")
     rows_per_block: int = Field(ROWS_PER_BLOCK, ge=1, description="rows an actor takes at a time: a lost actor "
                                 "costs at most this many rows of work, and the last rows spread over the pool at "
                                 "this grain; larger blocks cost less scheduling per row (docs/measurements.md)")
@@ -124,6 +129,9 @@ class JobConfig(BaseModel):
     resume: bool = Field(False, description="complete a partial output: rows already written are skipped")
     address: str | None = Field(None, description="join this Ray cluster ('auto' inside `ray job submit`); "
                                 "absent -> a local Ray instance")
+    output_shared: bool = Field(False, description="--output, a local path, is the same folder on every node of the "
+                                "cluster (a shared filesystem the job does not recognise, or nodes on one machine); "
+                                "without it a multi-node job refuses a path on a node's own disk")
     rows_per_file: int = Field(ROWS_PER_FILE, ge=1, description="rows per output Parquet file (the last file "
                                "of a run may hold fewer); rows are written when a file fills, so a killed job "
                                "regenerates at most this many rows per writer on --resume")

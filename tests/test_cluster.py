@@ -162,6 +162,9 @@ def test_gpu_nodes_scale_up_for_the_job_and_down_when_idle(fake_cluster, tiny_mo
         proc = subprocess.run(
             [*JOB, "--dataset", str(data), "--prompt-column", "text", "--id-column", "uid",
              "--model", str(model_dir), "--heads", str(heads_dir), "--output", str(tmp_path / "out"),
+             # the fake GPUs are no GPUs (--device cpu keeps the actors off CUDA), and the fake nodes share
+             # this machine's disk (--output-shared)
+             "--device", "cpu", "--output-shared",
              "--address", address, "--gpus-per-actor", "1", "--cpus-per-actor", "1",
              "--min-actors", "1", "--max-actors", "2", "--policy", "ar", "--max-new-tokens", "8"],
             capture_output=True, text=True, env=env, timeout=240)

@@ -180,8 +180,9 @@ def test_node_removed_mid_job_every_row_once(tiny_model_dirs, tmp_path):
     ray.init(address=cluster.address)
     thread = None
     try:
-        # one row per file: rows reach the output as they finish, so the node goes mid-job
-        job = JobConfig(output=str(tmp_path / "out"), address=cluster.address, rows_per_file=1)
+        # one row per file: rows reach the output as they finish, so the node goes mid-job; the nodes share
+        # this machine's disk (output_shared), which a multi-node job otherwise refuses
+        job = JobConfig(output=str(tmp_path / "out"), address=cluster.address, rows_per_file=1, output_shared=True)
         spec = prompt_spec(None, str(data), prompt_column="text", id_column="uid")
         processor = build_processor(ProcessorConfig(
             model=ModelConfig(model=str(model_dir), heads=str(heads_dir)),

@@ -2,11 +2,12 @@
 
     python jobs/generate.py --task humaneval --limit 8 --output runs/humaneval
     python jobs/generate.py --dataset s3://bucket/prompts/ --prompt-column question --output s3://bucket/labels/
-    ray job submit --working-dir . -- python jobs/generate.py --task gsm8k --address auto --output /data/gsm8k
+    ray job submit --working-dir . -- python jobs/generate.py --task gsm8k --address auto --output s3://bucket/gsm8k/
 
 A thin CLI over entmtp_ray.build_processor (pipeline/processor.py) and the job's data plane
-(pipeline/dataplane.py). Config errors exit with status 2 before any row is generated; the last stdout
-line is a JSON summary.
+(pipeline/dataplane.py). Config errors exit with status 2 before Ray starts; what only the cluster can tell
+(an --output on one node's disk of a multi-node cluster, no usable GPU where the actors run) exits 2 after
+joining it, before any row is generated or anything is written. The last stdout line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import ValidationError
 
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, InputConfig, JobConfig, ModelConfig, PoolConfig, ProcessorConfig
-from entmtp_ray.pipeline.dataplane import run_job, shutdown
+from entmtp_ray.pipeline.dataplane import connect, run_job, shutdown
 from entmtp_ray.pipeline.manifest import check_or_write, run_settings
 from entmtp_ray.pipeline.outputs import check_output
 from entmtp_ray.pipeline.processor import build_processor
@@ -42,15 +43,17 @@ def main(argv=None) -> int:
         model_cfg, decoding = config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args)
         processor = build_processor(ProcessorConfig(model=model_cfg, decoding=decoding, pool=pool))
         location = Location.of(job.output)
-        check_output(location, job.resume)
         spec = prompt_spec(decoding.task, source.dataset, source.split, source.prompt_column, source.id_column,
                            source.messages_column)
         files = open_prompts(spec)  # lists files (or reaches the hub) and checks columns: no rows read
+        connect(job, processor, location)  # joins Ray; nothing is written before its checks pass
+        check_output(location, job.resume)
         settings, sources = run_settings(model_cfg, decoding, source, processor.plan.needs_heads,
                                          processor.plan.bank_path)
         check_or_write(location, settings, job.resume, sources)
-    except (ValueError, ValidationError, FileNotFoundError) as exc:
+    except (ValueError, ValidationError, FileNotFoundError, ConnectionError) as exc:  # ConnectionError: --address
         print(f"error: {exc}", file=sys.stderr)
+        shutdown()  # a local Ray the job started goes with it
         return 2
     summary = run_job(spec, job, processor, source.limit, decoding.seed, started, files)
     shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects

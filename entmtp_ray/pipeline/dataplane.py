@@ -9,6 +9,10 @@ the output, into the object store). The summary is computed the same way, from t
 
 Exactly-once rests on Ray Data's defaults (restarted actors, retried tasks, no dropped blocks) and on the
 manifest and the anti-join for a job run again with --resume.
+
+Before any of that, `connect` joins (or starts) the cluster and checks what only the cluster can tell
+(pipeline/placement.py): the actors' GPUs and device, a GPU that torch can use where they will run, and an
+--output that every node writing to it sees.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from ray.data.datasource import Datasource, FileBasedDatasource, ReadTask
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from entmtp_ray.config import JobConfig, PoolConfig
+from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.outputs import finished_ids, summarize
+from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, place_actors, read_mounts, spans_nodes
 from entmtp_ray.pipeline.processor import Processor
 from entmtp_ray.pipeline.sources import Location, Source, file_format, file_label, read_file
 from entmtp_ray.pipeline.tasks import PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize
@@ -172,6 +178,69 @@ def init_ray(job: JobConfig, pool: PoolConfig) -> None:
     ray.init(num_cpus=max(8, int(actors_cpus) + 4), include_dashboard=False)
 
 
+@ray.remote(num_cpus=0)
+def _gpu_probe() -> tuple[str, list, str | None]:
+    """Run where an actor with the pool's GPUs would: its node, the GPUs Ray assigned, and why torch cannot
+    use them (None: it can)."""
+    return ray.util.get_node_ip_address(), ray.get_gpu_ids(), cuda_problem()
+
+
+PROBE_PATIENCE_S = 60
+
+
+def _check_gpu_where_actors_run(gpus: float) -> None:
+    """Fail, before any row, when a task that reserves an actor's GPUs finds no CUDA there (the actors would
+    fail the same way, one by one). On an autoscaling cluster this waits for the first GPU node."""
+    probe = _gpu_probe.options(num_gpus=gpus).remote()
+    while not ray.wait([probe], timeout=PROBE_PATIENCE_S)[0]:
+        log.warning("waiting for a node with %g free GPU to check CUDA on (the autoscaler may be starting one; "
+                    "a cluster without GPU nodes never has one: stop the job and pass --gpus-per-actor 0)", gpus)
+    node, gpu_ids, problem = ray.get(probe)
+    if problem:
+        raise ValueError(f"a task given GPU {gpu_ids} on node {node}, as an actor would be: {problem}")
+
+
+def connect(job: JobConfig, processor: Processor, location: Location | None = None) -> ActorPlacement:
+    """Join job.address (or RAY_ADDRESS), else start a local Ray; decide the actors' GPUs and device (once per
+    processor) and check that `location` is seen by every node that writes to it and, last (it may wait for
+    the autoscaler), that torch can use a GPU where the actors will run. ValueError names the fix (the job
+    exits 2)."""
+    fresh = processor.placement is None or not ray.is_initialized()
+    placement, started_here = _place(job, processor) if fresh else (processor.placement, False)
+    if location is not None:
+        pool = processor.config.pool
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        here = ray.get_runtime_context().get_node_id()
+        driver_resources = next((n["Resources"] for n in nodes if n["NodeID"] == here), {})
+        spans = spans_nodes(len(nodes), driver_resources, pool.cpus_per_actor, placement.gpus)
+        problem = output_problem(location, spans, read_mounts(), job.output_shared)
+        if problem:
+            raise ValueError(problem)
+    if fresh and placement.device == "cuda" and not started_here:  # a local Ray's GPUs are the driver's, checked
+        _check_gpu_where_actors_run(placement.gpus)
+    processor.placement = placement
+    return placement
+
+
+def _place(job: JobConfig, processor: Processor) -> tuple[ActorPlacement, bool]:
+    """(the actors' placement, whether this call started a local Ray), after joining or starting Ray."""
+    model, pool = processor.config.model, processor.config.pool
+    started_here = not ray.is_initialized() and not (job.address or os.environ.get("RAY_ADDRESS"))
+    if started_here and model.device.startswith("cuda") and cuda_problem():
+        raise ValueError(f"--device {model.device}: {cuda_problem()}; or use --device cpu")
+    init_ray(job, pool)
+    cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+    placement = place_actors(model.device, pool.gpus_per_actor, cluster_gpus)
+    if started_here and placement.gpus > cluster_gpus:
+        raise ValueError(f"--gpus-per-actor {placement.gpus:g}: this machine has {cluster_gpus:g} GPUs for the "
+                         "local Ray the job started, so no actor could start; pass --gpus-per-actor 0 (and --device "
+                         "cpu or auto), or --address of a cluster with GPU nodes")
+    if placement.auto and placement.gpus == 0 and not started_here:
+        log.warning("the Ray cluster has no GPU now, so the actors reserve none and run on CPU; on an autoscaling "
+                    "cluster whose GPU nodes are not up yet, pass --gpus-per-actor 1")
+    return placement, started_here
+
+
 def shutdown() -> None:
     """Disconnect from Ray (stopping a local one), so no late driver log follows the summary line."""
     if ray.is_initialized():
@@ -185,7 +254,7 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     time and the time to first row."""
     start = started or time.time()
     location = Location.of(job.output)
-    init_ray(job, processor.config.pool)
+    connect(job, processor, location)
     tally = RowTally.options(**_on_this_node()).remote()  # the head outlives worker nodes
     if isinstance(prompts, pa.Table):
         ds = ray.data.from_arrow(prompts)

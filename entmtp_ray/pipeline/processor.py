@@ -8,7 +8,9 @@ users put it inside their own pipelines:
 
 Nothing algorithmic here: each actor of the pool wraps one engine.Engine. A broken config fails in
 build_processor, before any work; a bad row becomes a row with `error` set; an actor whose process is broken
-(out of memory, a CUDA device error) exits, and Ray Data restarts it and retries its rows.
+(out of memory, a CUDA device error) exits, and Ray Data restarts it and retries its rows. The GPUs an actor
+reserves and the device it loads on follow pipeline/placement.py, from the cluster's GPUs when the stage is
+first applied (the job decides it earlier, in dataplane.connect); an actor given a GPU it cannot use fails.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import ray
 from ray.data import ActorPoolStrategy, DataContext
 
 from entmtp_ray.config import DecodingConfig, ModelConfig, ProcessorConfig
+from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.assemble import plan
 from entmtp_ray.pipeline.engine import EngineBroken
+from entmtp_ray.pipeline.placement import ActorPlacement, check_device, place_actors
 from entmtp_ray.pipeline.records import output_table
 from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS, PromptSpec, standardize
 
@@ -46,6 +50,8 @@ class GenerateActor:
 
         from entmtp_ray.pipeline.engine import Engine
 
+        if model_cfg["device"] == "cuda":
+            check_assigned_gpu()
         torch.set_num_threads(max(1, threads))
         self.engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding))
         self.engine.actor_id = ray.get_runtime_context().get_actor_id()
@@ -69,6 +75,15 @@ class GenerateActor:
         return output_table(passthrough, rows)
 
 
+def check_assigned_gpu() -> None:
+    """In an actor that reserved GPUs: fail, naming the fix, unless torch can use the one Ray assigned (never
+    fall back to a CPU run of a model sized for a GPU)."""
+    problem = cuda_problem()
+    if problem:
+        raise RuntimeError(f"this actor on {ray.util.get_node_ip_address()} was assigned GPU {ray.get_gpu_ids()} by "
+                           f"Ray, but {problem}")
+
+
 def _maybe_fault(row_id: str | None) -> None:
     target, marker = os.environ.get(FAULT_ROW_ENV), os.environ.get(FAULT_MARKER_ENV)
     if target and marker and row_id == target and not os.path.exists(marker):
@@ -84,8 +99,19 @@ class Processor:
     def __init__(self, config: ProcessorConfig):
         self.config = config
         self.plan = plan(config.model, config.decoding)  # a broken config fails here, before any work
+        check_device(config.model.device, config.pool.gpus_per_actor)
         self.spec = PromptSpec("dataset", None, config.decoding.task, config.prompt_column, config.id_column,
                                config.messages_column)
+        self.placement: ActorPlacement | None = None  # decided once Ray is up (dataplane.connect, or generate)
+
+    def place(self) -> ActorPlacement:
+        """The actors' GPUs and device on the connected Ray cluster (placement.place_actors), decided once."""
+        if self.placement is None:
+            if not ray.is_initialized():
+                ray.init()  # as Ray Data itself would, when the dataset first runs
+            gpus = ray.cluster_resources().get("GPU", 0.0)
+            self.placement = place_actors(self.config.model.device, self.config.pool.gpus_per_actor, gpus)
+        return self.placement
 
     def __call__(self, dataset: "ray.data.Dataset") -> "ray.data.Dataset":
         """`dataset` rows with a prompt (or messages) column -> rows with the output columns added (the
@@ -97,18 +123,18 @@ class Processor:
 
     def generate(self, prompts: "ray.data.Dataset") -> "ray.data.Dataset":
         """The stage on rows that already hold the prompt columns (tasks.standardize's output)."""
-        pool = self.config.pool
+        pool, placement = self.config.pool, self.place()
         DataContext.get_current().max_errored_blocks = 0  # never drop a failed block silently
         return prompts.repartition(target_num_rows_per_block=pool.rows_per_block).map_batches(
             GenerateActor,
-            fn_constructor_kwargs={"model_cfg": self.config.model.model_dump(),
+            fn_constructor_kwargs={"model_cfg": self.config.model.model_dump() | {"device": placement.device},
                                    "decoding": self.config.decoding.model_dump(),
                                    "threads": max(1, int(pool.cpus_per_actor))},
             batch_size=1,
             batch_format="pyarrow",
             compute=ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors),
             num_cpus=pool.cpus_per_actor,
-            num_gpus=pool.gpus_per_actor,
+            num_gpus=placement.gpus,
         )
 
 
