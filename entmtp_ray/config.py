@@ -20,8 +20,9 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
     model: str = Field(EMBEDDED_MODEL, description="hub id, local directory, or the embedded default")
-    heads: str | None = Field(None, description="heads directory (ours or a published Hydra checkpoint); "
-                              "default: the heads shipped for --model; 'untrained' = random heads")
+    heads: str | None = Field(None, description="heads directory or hub id (ours or a published Hydra checkpoint, "
+                              "e.g. ankner/hydra-vicuna-7b-v1.3); default: the heads shipped for --model; "
+                              "'untrained' = random heads")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto = fp16 on CUDA; on CPU bf16 where the CPU has native bf16 (a tree step costs a "
         "third of fp32's, an AR step about the same), else fp32. Greedy output equals greedy decoding in that dtype "
