@@ -152,7 +152,7 @@ def main(argv=None) -> int:
             command = [py, "-m", "entmtp_ray.jobs.gpu_check", "--stage", "decode", "--output", str(out),
                        "--device", args.device,
                        "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
-            status, seconds, last = _run(command, out / "decode.log", 240)
+            status, seconds, last = _run(command, out / "decode.log", 180)
             summary["stages"]["decode"] = {"status": status, "seconds": seconds, "result": _json_or(last)}
         elif stage == "bench":
             for task, dataset in tasks.items():
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                 command = [py, "jobs/bench.py", "--task", task, "--limit", str(args.prompts), "--max-new-tokens",
                            str(args.max_new_tokens), "--temperatures", "0", "--systems", *POLICIES,
                            "--output", str(target), *common] + (["--dataset", dataset] if dataset else [])
-                status, seconds, _ = _run(command, out / f"bench-{task}.log", 150)
+                status, seconds, _ = _run(command, out / f"bench-{task}.log", 120)
                 report = target / "report.json"
                 summary["stages"][f"bench-{task}"] = {
                     "status": status, "seconds": seconds,
@@ -172,14 +172,14 @@ def main(argv=None) -> int:
             command = [py, "jobs/build_bank.py", "--task", "humaneval", "--prompts", "8", "--max-new-tokens", "64",
                        "--budget", "32", "--timing-prompts", "2", "--out", str(out / "bank.json"),
                        "--work", str(out / "bank-work"), *common]
-            status, seconds, _ = _run(command, out / "bank.log", 200)
+            status, seconds, _ = _run(command, out / "bank.log", 150)
             summary["stages"]["bank"] = {"status": status, "seconds": seconds,
                                          "bank_written": (out / "bank.json").is_file()}
         elif stage == "ray":
             command = [py, "jobs/generate.py", "--task", "humaneval", "--limit", "8", "--max-new-tokens", "64",
                        "--min-actors", "2", "--max-actors", "2", "--gpus-per-actor", "0.5",
                        "--output", str(out / "ray-job"), *common]
-            status, seconds, last = _run(command, out / "ray.log", 200)
+            status, seconds, last = _run(command, out / "ray.log", 150)
             summary["stages"]["ray"] = {"status": status, "seconds": seconds, "summary": _json_or(last),
                                         "actors": _actors(out / "ray-job")}
     summary["ok"] = all(s.get("status") == 0 or "skipped" in s for s in summary["stages"].values())
