@@ -226,8 +226,9 @@ def _place(job: JobConfig, processor: Processor) -> tuple[ActorPlacement, bool]:
     """(the actors' placement, whether this call started a local Ray), after joining or starting Ray."""
     model, pool = processor.config.model, processor.config.pool
     started_here = not ray.is_initialized() and not (job.address or os.environ.get("RAY_ADDRESS"))
-    if started_here and model.device.startswith("cuda") and cuda_problem():
-        raise ValueError(f"--device {model.device}: {cuda_problem()}; or use --device cpu")
+    problem = cuda_problem() if started_here and model.device.startswith("cuda") else None
+    if problem:  # the local Ray's GPUs would be this machine's
+        raise ValueError(f"--device {model.device}: {problem}; or use --device cpu")
     init_ray(job, pool)
     cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
     placement = place_actors(model.device, pool.gpus_per_actor, cluster_gpus)
