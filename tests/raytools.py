@@ -207,6 +207,17 @@ def own_ray_dir(prefix: str = "rt-", grace: float = 10.0) -> Iterator[str]:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def own_ray_env(monkeypatch, prefix: str = "rt-") -> Iterator[str]:
+    """own_ray_dir, named in the test's environment (inherited by the in-process Cluster and every job the test
+    runs): a local Ray started by a job puts its session under it; RAY_ADDRESS is cleared."""
+    with own_ray_dir(prefix) as temp_dir:
+        monkeypatch.setenv(MARKER_ENV, temp_dir)
+        monkeypatch.setenv("RAY_TMPDIR", temp_dir)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        yield temp_dir
+
+
 @dataclass
 class RayHead:
     address: str  # host:port of its GCS

@@ -24,10 +24,7 @@ CPU_ONLY_FIX = f"pip install torch=={torch.__version__.split('+')[0]} --index-ur
 
 @pytest.fixture(autouse=True)
 def own_ray(monkeypatch):
-    with raytools.own_ray_dir("rc-") as temp_dir:
-        monkeypatch.setenv(raytools.MARKER_ENV, temp_dir)
-        monkeypatch.setenv("RAY_TMPDIR", temp_dir)
-        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with raytools.own_ray_env(monkeypatch, "rc-") as temp_dir:
         yield temp_dir
 
 

@@ -36,10 +36,7 @@ def own_ray(monkeypatch):
     """This test's Ray directory, in the environment of the test (the in-process Cluster) and of
     every job it runs; a local Ray started by a job puts its session under it, and afterwards
     whatever of it is left is stopped (named in a warning) and checked gone."""
-    with raytools.own_ray_dir("rp-") as temp_dir:
-        monkeypatch.setenv(raytools.MARKER_ENV, temp_dir)
-        monkeypatch.setenv("RAY_TMPDIR", temp_dir)
-        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with raytools.own_ray_env(monkeypatch, "rp-") as temp_dir:
         yield temp_dir
 
 

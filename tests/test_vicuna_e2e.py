@@ -110,10 +110,7 @@ def published_successor_heads(directory, model_dir, embed: torch.Tensor):
 @pytest.fixture(autouse=True)
 def own_ray(monkeypatch):
     """This test's Ray directory for the jobs' local Ray; what is left of it afterwards is stopped."""
-    with raytools.own_ray_dir("rv-") as temp_dir:
-        monkeypatch.setenv(raytools.MARKER_ENV, temp_dir)
-        monkeypatch.setenv("RAY_TMPDIR", temp_dir)
-        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with raytools.own_ray_env(monkeypatch, "rv-") as temp_dir:
         yield temp_dir
 
 

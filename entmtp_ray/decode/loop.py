@@ -337,7 +337,8 @@ class SpecDecoder:
         context = self.cache.capacity if self.verifier is not None else self.loaded.max_positions
         capacity = min(context, len(prompt_ids) + cfg.max_new_tokens + max(self.max_nodes, ONE_TOKEN_ROWS))
         if len(prompt_ids) >= capacity:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's {context}-token context")
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
+                             f"{context}-token context")
         self.policy.reset()
         dev = self.loaded.device
         plan = prepare(self.loaded.model)  # weights checked once per generation, not per step

@@ -103,9 +103,10 @@ class TreeVerifier:
                 raise ValueError("CUDA graphs need a CUDA device; run the static verifier with capture off")
             pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs never run concurrently
             try:
-                for buffers in trees:
-                    if id(buffers) not in self.graphs:
-                        self.graphs[id(buffers)] = self._capture(buffers, pool)
+                with torch.inference_mode():  # as the decoder replays them
+                    for buffers in trees:
+                        if id(buffers) not in self.graphs:
+                            self.graphs[id(buffers)] = self._capture(buffers, pool)
             except RuntimeError:  # a stack that cannot capture still decodes, eagerly, and says so
                 log.exception("capturing the verify forward as CUDA graphs failed; verifying eagerly on static shapes")
                 self.graphs.clear()

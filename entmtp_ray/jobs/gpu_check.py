@@ -67,7 +67,8 @@ def decode_stage(args) -> dict:
     modes = {mode: options for mode, options in MODES.items() if cuda or not options["graphs"]}
     table = load_prompts("humaneval", None, limit=args.prompts, seed=1, subset="eval")
     prompts = [encode_checked(loaded, p, 2048) for p in table.column("prompt").to_pylist()]
-    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
+    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                 "cuda": torch.version.cuda,
                  "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "policies": {}}
     reference: list[list[int]] = []
     for name in POLICIES:
@@ -103,7 +104,8 @@ def decode_stage(args) -> dict:
                 "tokens_per_s": statistics.median(r.tokens_per_s for r in results),
                 "tau": statistics.mean(r.mean_accepted_length for r in results),
                 "graphs_captured": len(decoder.verifier.graphs) if decoder.verifier is not None else 0,
-                "syncs_per_step": max(syncs) if cuda else None, "greedy_vs_ar": sorted(set(checks)), "build_s": round(build_s, 2),
+                "syncs_per_step": max(syncs) if cuda else None, "greedy_vs_ar": sorted(set(checks)),
+                "build_s": round(build_s, 2),
             }
         base = row["dynamic"]["tokens_per_s"]
         for mode in modes:
@@ -122,7 +124,8 @@ def _run(command: list[str], log: Path, timeout: float) -> tuple[int | None, flo
     started = time.perf_counter()
     with log.open("w") as handle:
         try:
-            status = subprocess.run(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            status = subprocess.run(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                                    timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             status = None
     lines = [line for line in log.read_text().splitlines() if line.strip()]
