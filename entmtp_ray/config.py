@@ -60,10 +60,10 @@ class DecodingConfig(BaseModel):
         "policy reads none, e.g. to relate accepted length to entropy for AR or Hydra's tree; costs one verifier "
         "statistic per step. EntMTP policies that switch trees record it anyway")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output equals plain greedy decoding)")
-    acceptance: Literal["greedy", "typical", "exact"] = Field(
-        "greedy", description="greedy needs T=0; typical (Hydra/Medusa) is fast at T>0 but not "
-        "distribution-preserving; exact (speculative sampling over the tree) keeps the base model's "
-        "sampling distribution at any T and equals greedy at T=0")
+    acceptance: Literal["greedy", "typical", "exact"] | None = Field(
+        None, description="default: greedy at T=0, exact at T>0. greedy needs T=0; exact (speculative sampling "
+        "over the tree) keeps the base model's sampling distribution at any T and equals greedy at T=0; typical "
+        "(Hydra/Medusa) is faster at T>0 but not distribution-preserving")
     typical_epsilon: float = Field(TYPICAL_EPSILON, gt=0, description="typical acceptance's hard threshold cap")
     typical_alpha: float = Field(TYPICAL_ALPHA, gt=0, description="typical acceptance's entropy-scaled threshold")
     max_new_tokens: int = Field(256, ge=1, description="stop after this many generated tokens")
@@ -73,6 +73,8 @@ class DecodingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _acceptance_matches_temperature(self):
+        if self.acceptance is None:  # sampling keeps the base model's distribution unless typical is asked for
+            self.acceptance = "exact" if self.temperature > 0 else "greedy"
         if self.acceptance == "greedy" and self.temperature > 0:
             raise ValueError(f"--acceptance greedy needs --temperature 0 (got {self.temperature}); "
                              "use --acceptance exact (distribution-preserving) or typical for sampling")

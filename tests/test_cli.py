@@ -45,12 +45,26 @@ def test_bad_rows_become_error_rows_and_good_rows_still_run(tmp_path):
     assert all(rows[k]["output_text"] is None for k in ("empty", "long", "number", "prompts.jsonl:line-5"))
 
 
+def test_sampling_uses_exact_acceptance_unless_typical_is_asked_for():
+    from pydantic import ValidationError
+
+    from entmtp_ray.config import DecodingConfig
+
+    assert DecodingConfig().acceptance == "greedy"
+    assert DecodingConfig(temperature=0.7).acceptance == "exact"  # --temperature alone just works
+    assert DecodingConfig(temperature=0.7, acceptance="typical").acceptance == "typical"
+    assert DecodingConfig(acceptance="exact").acceptance == "exact"  # equals greedy at T=0
+    with pytest.raises(ValidationError, match="--acceptance greedy needs --temperature 0"):
+        DecodingConfig(temperature=0.7, acceptance="greedy")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--policy", "nope"], "unknown policy 'nope'; choose one of"),
     (["--policy", "fixed", "--tree", "no-such-tree"], "unknown tree 'no-such-tree'"),
     (["--policy", "fixed"], "--policy fixed needs --tree"),
-    (["--policy", "hydra", "--temperature", "0.7"], "--acceptance greedy needs --temperature 0"),
+    (["--policy", "hydra", "--temperature", "0.7", "--acceptance", "greedy"],
+     "--acceptance greedy needs --temperature 0"),
 ])
 def test_broken_config_fails_before_loading(args, message):
     proc = run_cli("--prompt", "hi", *args)
@@ -110,7 +124,8 @@ def test_flags_come_from_the_config_fields_with_their_types_choices_and_defaults
         with pytest.raises(SystemExit):
             parser.parse_args(["--output", "o", *bad] if bad else bad)
     with pytest.raises(ValidationError, match="needs --temperature 0"):  # the config's own checks still run
-        config_from_args(DecodingConfig, parser.parse_args(["--output", "o", "--temperature", "0.7"]))
+        config_from_args(DecodingConfig,
+                         parser.parse_args(["--output", "o", "--temperature", "0.7", "--acceptance", "greedy"]))
     some = argparse.ArgumentParser()
     add_config_args(some, DecodingConfig, only=("seed", "max_new_tokens"), defaults={"max_new_tokens": 128})
     assert vars(some.parse_args([])) == {"seed": 123, "max_new_tokens": 128}

@@ -33,6 +33,8 @@ PINNED_SCHEMA = [
     ("steps", pa.int64()),
     ("verified_nodes", pa.int64()),
     ("mean_accepted_length", pa.float64()),
+    ("num_draft_tokens", pa.int64()),
+    ("num_accepted_tokens", pa.int64()),
     ("accepted_per_position", pa.list_(pa.float64())),
     ("tree_usage", pa.map_(pa.string(), pa.int64())),
     ("tree_switches", pa.int64()),
@@ -81,6 +83,10 @@ def test_rows_are_written_and_read_back_in_the_pinned_schema(engine, tmp_path):
     assert good["total_s"] == pytest.approx(good["prefill_s"] + good["decode_s"])
     assert good["tokens_per_s"] == pytest.approx(6 / good["total_s"])
     assert good["verified_nodes"] == 64 * good["steps"]
+    # vLLM's counters: 63 drafts per Hydra step; the 6 tokens less the prefill's first, less one bonus per step
+    assert good["num_draft_tokens"] == 63 * good["steps"]
+    assert good["num_accepted_tokens"] == sum(a - 1 for a in good["step_accepted_lengths"]) == 5 - good["steps"]
+    assert bad["num_draft_tokens"] == bad["num_accepted_tokens"] == 0
 
 
 def test_finish_reason_of_every_way_a_row_ends(fresh_engine, monkeypatch):
@@ -133,9 +139,9 @@ def test_chat_turns_are_the_prompt_when_given(engine):
 def test_summary_figures_from_what_was_written(tmp_path):
     from entmtp_ray.pipeline.outputs import summarize
 
-    def row(id, tokens, steps, started, total, error=None):
-        return {"id": id, "num_output_tokens": tokens, "steps": steps, "error": error, "started_at": started,
-                "total_s": total}
+    def row(id, tokens, steps, started, total, error=None, nodes_per_step=5):
+        return {"id": id, "num_output_tokens": tokens, "steps": steps, "verified_nodes": nodes_per_step * steps,
+                "error": error, "started_at": started, "total_s": total}
 
     schema = pa.schema([f for f in OUTPUT_SCHEMA if f.name in row("", 0, 0, 0.0, 0.0)])
     pq.write_table(pa.Table.from_pylist([row("a", 10, 4, 100.0, 2.0), row("b", 21, 5, 101.0, 3.0)], schema),
@@ -149,11 +155,15 @@ def test_summary_figures_from_what_was_written(tmp_path):
     assert summary["decode_span_s"] == pytest.approx(105.0 - 100.0)  # first good start to last good end
     assert summary["aggregate_tokens_per_s"] == pytest.approx(41 / 5.0)
     assert summary["mean_accepted_length"] == pytest.approx((41 - 3) / 13)  # a row's first token is no step's
+    # 4 drafts per 5-node step; kept: tokens less each row's first, less each step's bonus
+    assert (summary["num_draft_tokens"], summary["num_accepted_tokens"]) == (4 * 13, 41 - 3 - 13)
+    assert summary["acceptance_rate"] == pytest.approx(25 / 52)
     assert summary["first_row_s"] == pytest.approx(104.0 - 100.5)  # rows that started after the job did
     assert summary["output"] == str(tmp_path.resolve()) and summary["wall_s"] > 0
     json.dumps(summary)  # the last stdout line is this object
     empty = summarize(str(tmp_path / "none"), started=0.0, input_rows=0)
     assert (empty["rows"], empty["output_tokens"], empty["mean_accepted_length"]) == (0, 0, None)
+    assert empty["acceptance_rate"] is None
 
 
 def test_an_ar_row_drafts_nothing_so_reports_no_positions_and_no_heads(tiny_model_dirs):

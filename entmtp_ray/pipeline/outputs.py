@@ -18,7 +18,7 @@ from entmtp_ray.pipeline.sources import Location
 
 log = logging.getLogger(__name__)
 
-SUMMARY_COLUMNS = ["id", "num_output_tokens", "steps", "error", "started_at", "total_s"]
+SUMMARY_COLUMNS = ["id", "num_output_tokens", "steps", "verified_nodes", "error", "started_at", "total_s"]
 
 
 def readable_files(location: Location) -> list[str]:
@@ -50,7 +50,7 @@ def summarize(output: str | Location, started: float, input_rows: int) -> dict:
     """The run's JSON summary, from everything written to the output, scanned batch by batch."""
     location = Location.of(output)
     files = readable_files(location)
-    rows = errors = tokens = steps = 0
+    rows = errors = tokens = steps = nodes = 0
     first_start, last_end, first_row_end = None, None, None
     ids = []
     if files:
@@ -64,6 +64,7 @@ def summarize(output: str | Location, started: float, input_rows: int) -> dict:
                 continue
             tokens += pc.sum(ok.column("num_output_tokens")).as_py() or 0
             steps += pc.sum(ok.column("steps")).as_py() or 0
+            nodes += pc.sum(ok.column("verified_nodes")).as_py() or 0
             ends = pc.add(ok.column("started_at"), ok.column("total_s"))
             first_start = _min(first_start, pc.min(ok.column("started_at")).as_py())
             last_end = _max(last_end, pc.max(ends).as_py())
@@ -82,6 +83,10 @@ def summarize(output: str | Location, started: float, input_rows: int) -> dict:
         "aggregate_tokens_per_s": tokens / span if span > 0 else 0.0,
         # each row's first token comes from its prefill, not from a step
         "mean_accepted_length": (tokens - done) / steps if steps else None,
+        # the rows' num_draft_tokens and num_accepted_tokens, added up (from columns every version wrote)
+        "num_draft_tokens": nodes - steps,
+        "num_accepted_tokens": tokens - done - steps,
+        "acceptance_rate": (tokens - done - steps) / (nodes - steps) if nodes > steps else None,
         "decode_span_s": span,
         "wall_s": time.time() - started,
         "first_row_s": first_row_end - started if first_row_end is not None else None,  # job start -> first row
