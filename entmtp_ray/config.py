@@ -45,9 +45,10 @@ class DecodingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
-    policy: str = Field("hydra", description="tree-choosing policy: ar (plain autoregressive decoding), hydra, "
-                        "medusa (their default trees), fixed (--tree), or entmtp-star, entmtp-ladder, entmtp-tau "
-                        "(read a topology bank: --task or --bank)")
+    policy: str = Field("auto", description="tree-choosing policy. auto: entmtp-tau with the bank for the model "
+                        "and --task (--bank: that one; no task: the model's general bank), else hydra with a warning; "
+                        "ar (plain autoregressive decoding), hydra, medusa (their default trees), fixed (--tree), or "
+                        "entmtp-star, entmtp-ladder, entmtp-tau (read a topology bank: --task or --bank)")
     tree: str | None = Field(None, description="tree for the `fixed` policy: a built-in name or a JSON file")
     task: str | None = Field(None, description="gsm8k | humaneval | sharegpt: the prompts a job reads "
                              "(unless --dataset) and the topology bank the entmtp policies read (the one shipped "

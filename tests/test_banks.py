@@ -144,6 +144,31 @@ def test_bank_policy_without_task_or_bank_fails_before_loading():
         preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau", task="nosuchtask"))
 
 
+def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_hydra(tiny_model_dirs, tmp_path, caplog):
+    from entmtp_ray.assets import shipped_bank
+    from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.pipeline.assemble import plan as preflight
+
+    embedded = ModelConfig()
+    assert DecodingConfig().policy == "auto"
+    for task in ("gsm8k", "humaneval", "sharegpt"):  # each task's own bank
+        resolved = preflight(embedded, DecodingConfig(task=task))
+        assert resolved.decoding.policy == "entmtp-tau" and resolved.bank_path == shipped_bank(embedded.model, task)
+    general = preflight(embedded, DecodingConfig())  # a dataset of the user's own: the general bank
+    assert general.decoding.policy == "entmtp-tau" and general.decoding.bank == str(shipped_bank(embedded.model,
+                                                                                                 "sharegpt"))
+    bank = tmp_path / "bank.json"
+    save_bank(make_bank(model="tiny-vicuna"), bank)
+    model_dir, heads_dir = tiny_model_dirs
+    local = ModelConfig(model=str(model_dir), heads=str(heads_dir))
+    assert preflight(local, DecodingConfig(bank=str(bank))).decoding.policy == "entmtp-tau"  # --bank: that one
+    with caplog.at_level(logging.WARNING, logger="entmtp_ray.pipeline.assemble"):
+        fallback = preflight(local, DecodingConfig(task="gsm8k"))  # no bank ships for this model
+    assert fallback.decoding.policy == "hydra" and fallback.bank_path is None
+    assert "python jobs/build_bank.py --task gsm8k --model " + str(model_dir) in caplog.text
+    assert preflight(embedded, DecodingConfig(policy="ar", task="gsm8k")).decoding.policy == "ar"  # asked: kept
+
+
 @pytest.mark.slow
 def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     """jobs/build_bank.py on real local Ray with the tiny model: rollouts, rank tables, growth,

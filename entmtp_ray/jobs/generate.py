@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         files = open_prompts(spec)  # lists files (or reaches the hub) and checks columns: no rows read
         connect(job, processor, location)  # joins Ray; nothing is written before its checks pass
         check_output(location, job.resume)
-        settings, sources = run_settings(model_cfg, decoding, source, processor.plan.needs_heads,
+        settings, sources = run_settings(model_cfg, processor.config.decoding, source, processor.plan.needs_heads,
                                          processor.plan.bank_path)
         check_or_write(location, settings, job.resume, sources)
     except (ValueError, ValidationError, FileNotFoundError, ConnectionError) as exc:  # ConnectionError: --address
@@ -56,6 +56,8 @@ def main(argv=None) -> int:
         shutdown()  # a local Ray the job started goes with it
         return 2
     summary = run_job(spec, job, processor, source.limit, decoding.seed, started, files)
+    bank = processor.plan.bank_path
+    summary.update(policy=processor.config.decoding.policy, bank=str(bank) if bank else None)  # what ran
     shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
     print(json.dumps(summary), flush=True)
     return 0

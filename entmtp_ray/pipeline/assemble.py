@@ -6,9 +6,11 @@ Checks that need no model run first (`plan`), so a broken config fails before an
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from entmtp_ray.assets import shipped_bank
 from entmtp_ray.calibrate.bank import (BANK_POLICIES, Bank, bank_policy, current_hardware, load_bank,
                                        resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
@@ -18,13 +20,20 @@ from entmtp_ray.decode.tree import make_topology
 from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, draft_vocab_for,
                                       heads_source, load_model, load_model_heads)
 
-ALL_POLICIES = sorted([*POLICIES, *BANK_POLICIES])
+log = logging.getLogger(__name__)
+
+AUTO = "auto"  # the default policy: resolve_policy
+ALL_POLICIES = sorted([AUTO, *POLICIES, *BANK_POLICIES])
+# the bank a run without --task reads: ShareGPT's, calibrated on mixed chat prompts (its x AR on the other
+# tasks' held-out prompts beside their own banks': docs/measurements.md, "The default policy")
+GENERAL_BANK_TASK = "sharegpt"
 
 
 @dataclass(frozen=True)
 class Plan:
     """What a decoding config resolves to before any model loads."""
 
+    decoding: DecodingConfig  # with the policy resolved (never `auto`) and, for the general bank, its path
     policy: Policy
     needs_heads: bool  # some tree of the policy drafts
     bank_path: Path | None  # the bank an entmtp policy reads (None otherwise)
@@ -42,10 +51,32 @@ def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
     return make_policy(decoding)
 
 
+def resolve_policy(model_cfg: ModelConfig, decoding: DecodingConfig) -> DecodingConfig:
+    """`--policy auto` (the default) made concrete: entmtp-tau with --bank, else with the bank shipped for the
+    model and --task, else (no task) with the model's general bank; a model without one decodes with Hydra's
+    tree, and a warning names the command that builds a bank. Other policies come back unchanged."""
+    if decoding.policy != AUTO:
+        return decoding
+    if decoding.bank:
+        return decoding.model_copy(update={"policy": "entmtp-tau"})
+    task = decoding.task or GENERAL_BANK_TASK
+    bank = shipped_bank(model_cfg.model, task)
+    if bank.is_file():
+        update = {"policy": "entmtp-tau"} if decoding.task else {"policy": "entmtp-tau", "bank": str(bank)}
+        return decoding.model_copy(update=update)
+    log.warning("no topology bank ships for --model %s%s, so the default policy falls back to Hydra's tree, which "
+                "may run slower than plain decoding on small hardware; build a bank for this model and hardware "
+                "with `python jobs/build_bank.py --task %s --model %s --out banks/%s.json --work runs/bank` and "
+                "pass --bank banks/%s.json", model_cfg.model, f" and --task {decoding.task}" if decoding.task else "",
+                task, model_cfg.model, task, task)
+    return decoding.model_copy(update={"policy": "hydra"})
+
+
 def plan(model_cfg: ModelConfig, decoding: DecodingConfig) -> Plan:
     """Every config check that needs no model: the model's source, policy, bank, tree files, heads directory and
     depth (hub ids: their JSON files only). Raises ValueError/FileNotFoundError naming the fix."""
     check_model_source(model_cfg.model)
+    decoding = resolve_policy(model_cfg, decoding)
     bank_path = bank = None
     if decoding.policy in BANK_POLICIES:
         bank_path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
@@ -57,7 +88,7 @@ def plan(model_cfg: ModelConfig, decoding: DecodingConfig) -> Plan:
         for topology in policy.trees():
             make_topology(topology.paths, topology.name, max_depth=depth)
         draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
-    return Plan(policy, needs_heads, bank_path, bank)
+    return Plan(decoding, policy, needs_heads, bank_path, bank)
 
 
 @dataclass

@@ -55,8 +55,8 @@ def encode_checked(loaded: LoadedModel, prompt, max_input_tokens: int) -> list[i
 class Engine:
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig):
         self.model_cfg = model_cfg
-        self.decoding = decoding
         resolved = plan(model_cfg, decoding)
+        self.decoding = resolved.decoding  # the policy that runs, never `auto`
         self.stack = load_stack(model_cfg, resolved.needs_heads)
         self.loaded = self.stack.loaded
         self.decoder = self.stack.decoder(resolved.policy)

@@ -97,8 +97,9 @@ class Processor:
     """The generation stage of one configuration; call it on a Dataset of prompts."""
 
     def __init__(self, config: ProcessorConfig):
-        self.config = config
         self.plan = plan(config.model, config.decoding)  # a broken config fails here, before any work
+        # the actors, rows and manifest see the policy that runs (`auto` resolved once, here)
+        self.config = config.model_copy(update={"decoding": self.plan.decoding})
         check_device(config.model.device, config.pool.gpus_per_actor)
         self.spec = PromptSpec("dataset", None, config.decoding.task, config.prompt_column, config.id_column,
                                config.messages_column)
