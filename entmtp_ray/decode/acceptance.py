@@ -179,6 +179,22 @@ def _parents(children: tuple[tuple[int, ...], ...], device: torch.device) -> tor
     return torch.tensor(parent_of, device=device)
 
 
+def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Logits ([..., V], fp32) whose softmax is the sampling distribution: at `temperature`, restricted to the
+    `top_k` most likely tokens (0 = all; ties with the k-th all stay), then to the smallest set of those whose
+    probability reaches `top_p` (transformers' and vLLM's order); -inf elsewhere. On the device, no read-back.
+    Without top_p/top_k it is logits / T, so sampling from it at T=1 draws what sampling at T did."""
+    x = logits.float() / temperature
+    if 0 < top_k < x.shape[-1]:
+        x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
+    if top_p < 1.0:
+        ordered, order = x.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p  # the mass before a token already reaches top_p; never the first
+        x = x.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    return x
+
+
 def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """The token after the last accepted node, [1] on the device: argmax at T=0, else a sample at T.
 
