@@ -25,6 +25,7 @@ from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan, Projection, prep
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import Policy, Signal, make_signal
 from entmtp_ray.decode.static import STATIC_CAPACITY, StaticKVCache, TreeVerifier
+from entmtp_ray.decode.stop import StopStrings
 from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_topology, load_topology
 
 
@@ -32,7 +33,7 @@ from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_t
 class StepTrace:
     tree: str
     nodes: int
-    accepted_length: int  # tokens this step added to the output (accepted drafts + the bonus token)
+    accepted_length: int  # tokens this step added to the output: accepted drafts + the bonus token, fewer if it ended
     # the verifier at each accepted position (T=1), each [] unless the policy's signal_stat names it:
     entropy: list[float]  # next-token entropy (nats)
     top1_prob: list[float]  # top-1 probability
@@ -43,9 +44,9 @@ class StepTrace:
 @dataclass
 class GenerationResult:
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # includes the EOS token when generation stopped on one
-    output_text: str
-    finish_reason: str  # stop (EOS) | length (max new tokens) | context (context window full)
+    output_token_ids: list[int]  # includes the EOS or stop token id, or the token that completed a stop string
+    output_text: str  # the output decoded, special tokens skipped; a stop string and what follows it cut off
+    finish_reason: str  # stop (EOS, stop token id, stop string) | length (max new tokens) | context (window full)
     prefill_s: float  # prompt forward + first token
     decode_s: float  # every draft-verify step after it
     schedule_s: float  # inside decode_s: the policy's choose/observe and the signal's verifier stats
@@ -225,6 +226,9 @@ class Request:
     tracer: Signal | None  # the signal whose value each step records (None: not traced)
     own_tracer: bool  # whether the decoder (not the policy) updates the tracer
     profile: bool  # synchronise the device at each phase boundary and keep the phase times
+    stop_ids: frozenset[int] = frozenset()  # EOS and the stop token ids
+    stops: StopStrings | None = None  # the stop strings (None: none)
+    stopped_on_string: bool = False  # a stop string ended it: the text is cut before it
     steps: list[StepTrace] = field(default_factory=list)
     schedule_s: float = 0.0
 
@@ -326,10 +330,13 @@ class SpecDecoder:
             self.step(request)
         self._sync()
         decode_s = time.perf_counter() - start - prefill_s
+        text = self.loaded.decode(request.output)
+        if request.stopped_on_string:
+            text = request.stops.cut(text)
         return GenerationResult(
-            prompt_token_ids=list(prompt_ids), output_token_ids=request.output,
-            output_text=self.loaded.decode(request.output), finish_reason=request.finish, prefill_s=prefill_s,
-            decode_s=decode_s, steps=request.steps, schedule_s=request.schedule_s)
+            prompt_token_ids=list(prompt_ids), output_token_ids=request.output, output_text=text,
+            finish_reason=request.finish, prefill_s=prefill_s, decode_s=decode_s, steps=request.steps,
+            schedule_s=request.schedule_s)
 
     def prefill(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None,
                 profile: bool = False) -> Request:
@@ -350,9 +357,11 @@ class SpecDecoder:
         root = next_token(plan.lm_head(hidden[-1]), cfg.temperature, generator)
         self.drafter.begin(hidden, positions, capacity)
         tracer, own_tracer = self._tracer(cfg)
-        output: list[int] = []
-        finish = _extend(output, [root], self.loaded.eos_token_ids, cfg.max_new_tokens)
-        return Request(cfg, generator, capacity, plan, root, output, finish, tracer, own_tracer, profile)
+        request = Request(cfg, generator, capacity, plan, root, [], None, tracer, own_tracer, profile,
+                          stop_ids=self.loaded.eos_token_ids | frozenset(cfg.stop_token_ids or ()),
+                          stops=StopStrings(cfg.stop, self.loaded.decode) if cfg.stop else None)
+        self.emit(request, [root])
+        return request
 
     def step(self, request: Request) -> StepTrace | None:
         """One draft-verify step of a running request: its trace, or None when the context is full."""
@@ -486,9 +495,18 @@ class SpecDecoder:
         positions = verified.committed + torch.arange(a, device=nodes.device)
         self.drafter.advance(verified.hidden[nodes], positions)
         request.root = accepted.root
+        return self.emit(request, accepted.tokens[1:] + [accepted.root])
+
+    def emit(self, request: Request, tokens: list[int]) -> int:
+        """Append a step's tokens to the output up to the first that ends it (EOS or a stop token id, the one that
+        completes a stop string, or the token limit), and set the request's finish. Returns how many it kept."""
         before = len(request.output)
-        request.finish = _extend(request.output, accepted.tokens[1:] + [accepted.root], self.loaded.eos_token_ids,
-                                 request.cfg.max_new_tokens)
+        request.finish = _extend(request.output, tokens, request.stop_ids, request.cfg.max_new_tokens)
+        if request.stops is not None:
+            keep = request.stops.completed(request.output, before)
+            if keep is not None:
+                del request.output[keep:]
+                request.finish, request.stopped_on_string = "stop", True
         return len(request.output) - before
 
     def observe(self, request: Request, verified: Verified, accepted: Accepted, emitted: int,
@@ -528,11 +546,11 @@ class _PhaseClock:
         self.last = now
 
 
-def _extend(output: list[int], new_tokens: list[int], eos: frozenset[int], max_new: int) -> str | None:
-    """Append tokens until EOS or the token limit; return the finish reason, or None to go on."""
+def _extend(output: list[int], new_tokens: list[int], stop_ids: frozenset[int], max_new: int) -> str | None:
+    """Append tokens until EOS (or a stop token id) or the token limit; return the finish reason, or None to go on."""
     for token in new_tokens:
         output.append(token)
-        if token in eos:
+        if token in stop_ids:
             return "stop"
         if len(output) >= max_new:
             return "length"
