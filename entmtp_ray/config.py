@@ -61,6 +61,10 @@ class DecodingConfig(BaseModel):
         "policy reads none, e.g. to relate accepted length to entropy for AR or Hydra's tree; costs one verifier "
         "statistic per step. EntMTP policies that switch trees record it anyway")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output equals plain greedy decoding)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="sampling keeps the smallest set of most likely tokens "
+                         "whose probability reaches this (1 = all); exact acceptance keeps the output distributed as "
+                         "the base model's sampling with the same warping. No effect at T=0")
+    top_k: int = Field(0, ge=0, description="sampling keeps the k most likely tokens (0 = all); as --top-p")
     acceptance: Literal["greedy", "typical", "exact"] | None = Field(
         None, description="default: greedy at T=0, exact at T>0. greedy needs T=0; exact (speculative sampling "
         "over the tree) keeps the base model's sampling distribution at any T and equals greedy at T=0; typical "
@@ -104,6 +108,9 @@ class DecodingConfig(BaseModel):
     def _acceptance_matches_temperature(self):
         if self.acceptance is None:  # sampling keeps the base model's distribution unless typical is asked for
             self.acceptance = "exact" if self.temperature > 0 else "greedy"
+        if self.acceptance == "typical" and (self.top_p < 1 or self.top_k) and self.temperature > 0:
+            raise ValueError("typical acceptance has no definition with --top-p or --top-k; use --acceptance exact "
+                             "(the default when sampling), which samples the warped distribution exactly")
         if self.acceptance == "greedy" and self.temperature > 0:
             raise ValueError(f"--acceptance greedy needs --temperature 0 (got {self.temperature}); "
                              "use --acceptance exact (distribution-preserving) or typical for sampling")

@@ -145,7 +145,8 @@ def _no_renormalising(tokens, logits, row_of_node, children, temperature, genera
     return path, []
 
 
-def first_two_tokens_counts(accept, node_logits, tokens, samples: int, seed: int = 0) -> dict[tuple, int]:
+def first_two_tokens_counts(accept, node_logits, tokens, samples: int, seed: int = 0,
+                            temperature: float = TEMPERATURE) -> dict[tuple, int]:
     """Counts of the first two tokens one tree step emits (the accepted drafts, then the token from
     the last node's residual), over `samples` seeded draws of `accept` (exact_accept's signature)."""
     from entmtp_ray.decode.acceptance import next_token
@@ -156,22 +157,22 @@ def first_two_tokens_counts(accept, node_logits, tokens, samples: int, seed: int
     gen = torch.Generator().manual_seed(seed)
     counts: dict[tuple, int] = {}
     for _ in range(samples):
-        path, rejected = accept(tokens, scored, buffers.row_of_node, buffers.children, TEMPERATURE, gen)
+        path, rejected = accept(tokens, scored, buffers.row_of_node, buffers.children, temperature, gen)
         last = node_logits[path[-1]]
         if rejected:
             last = last.index_fill(0, torch.tensor(rejected), float("-inf"))
-        emitted = tuple(tokens[c] for c in path[1:]) + (next_token(last, TEMPERATURE, gen),)
+        emitted = tuple(tokens[c] for c in path[1:]) + (next_token(last, temperature, gen),)
         counts[emitted[:2]] = counts.get(emitted[:2], 0) + 1
     return counts
 
 
-def first_two_tokens_law(node_logits, tokens) -> dict[tuple, float]:
+def first_two_tokens_law(node_logits, tokens, temperature: float = TEMPERATURE) -> dict[tuple, float]:
     """What sampling from the verifier gives: x1 ~ p_root; after a drafted x1 (child c), x2 ~ p_c;
     after an undrafted x1 the step ends."""
     from entmtp_ray.decode.tree import build_buffers, make_topology
 
     buffers = build_buffers(make_topology(TREE))
-    p = torch.softmax(node_logits.double() / TEMPERATURE, -1)  # [n, V]
+    p = torch.softmax(node_logits.double() / temperature, -1)  # [n, V]
     child_of = {tokens[c]: c for c in buffers.children[0]}
     law = {}
     for x1 in range(VOCAB):
@@ -273,3 +274,69 @@ def test_exact_acceptance_reproduces_with_the_seed_and_varies_across_seeds(tiny,
     cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, acceptance="exact", max_new_tokens=20)
     runs = [decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(s)).output_token_ids for s in (7, 7, 8)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+# --- top-p / top-k: exact acceptance samples the warped distribution -------------------------------------------
+
+def test_warp_keeps_the_top_k_then_the_smallest_set_reaching_top_p():
+    from entmtp_ray.decode.acceptance import warp
+
+    logits = torch.tensor([[2.0, 1.0, 3.0, 0.0, 1.0, -1.0]])
+    assert torch.equal(warp(logits, 0.5), logits / 0.5)  # no warping: logits / T
+    kept = lambda x: (x > float("-inf")).nonzero()[:, -1].tolist()  # noqa: E731
+    assert kept(warp(logits, 1.0, top_k=2)) == [0, 2]
+    assert kept(warp(logits, 1.0, top_k=3)) == [0, 1, 2, 4]  # a tie with the k-th stays, as in transformers
+    p = torch.softmax(logits[0], -1).tolist()  # 3.0: 0.6, 2.0: 0.22, 1.0: 0.08 each, ...
+    assert kept(warp(logits, 1.0, top_p=p[2] - 1e-3)) == [2]  # the likeliest alone reaches it
+    assert kept(warp(logits, 1.0, top_p=p[2] + 1e-3)) == [0, 2]
+    assert kept(warp(logits, 1.0, top_p=0.999999)) == [0, 1, 2, 3, 4, 5]
+    # top-k first, then top-p over what is left, renormalised: 3.0 has 0.73 of the two kept
+    assert kept(warp(logits, 1.0, top_p=0.75, top_k=2)) == [0, 2]
+    assert kept(warp(logits, 1.0, top_p=0.7, top_k=2)) == [2]
+    kept_law = torch.softmax(warp(logits, 1.0, top_k=2)[0], -1)
+    assert torch.allclose(kept_law[[0, 2]], torch.softmax(logits[0, [0, 2]], -1))
+
+
+@pytest.mark.parametrize("top_p, top_k", [(0.8, 0), (1.0, 3), (0.9, 4)])
+def test_one_exact_step_over_warped_logits_emits_as_warped_sampling_would(crafted_step, top_p, top_k):
+    from entmtp_ray.decode.acceptance import warp
+
+    node_logits, tokens = crafted_step
+    warped = warp(node_logits, TEMPERATURE, top_p, top_k)  # T applied: the rest runs at T=1
+    law = first_two_tokens_law(warped, tokens, temperature=1.0)
+    counts = first_two_tokens_counts(acceptance.exact_accept, warped, tokens, SAMPLES_ONE_STEP, temperature=1.0)
+    assert set(counts) <= {c for c, q in law.items() if q > 0}  # never a token the warping removed
+    cells = sorted(c for c, q in law.items() if q > 0)
+    observed = torch.tensor([float(counts.get(c, 0)) for c in cells], dtype=torch.double)
+    assert chi_square_p_value(observed, torch.tensor([law[c] for c in cells], dtype=torch.double)) > ALPHA
+    # the control: the same test sees a sampler that ignores the warping (samples the plain law at T)
+    plain = first_two_tokens_counts(acceptance.exact_accept, node_logits, tokens, SAMPLES_ONE_STEP)
+    assert any(c not in cells for c in plain) or chi_square_p_value(
+        torch.tensor([float(plain.get(c, 0)) for c in cells], dtype=torch.double),
+        torch.tensor([law[c] for c in cells], dtype=torch.double)) < ALPHA
+
+
+@pytest.mark.parametrize("tree", ["ar", "tree"])
+def test_top_k_1_sampling_through_the_decoder_is_greedy(tiny, tree, tmp_path):
+    """With only the likeliest token left, exact sampling must emit greedy's tokens: every sampling site of the
+    decoder (the prefill's token, the walk, the residual, a leaf's token) applies the warping."""
+    loaded, drafter = tiny
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps(TREE))
+    policy = FixedTree("ar", load_topology("ar")) if tree == "ar" else FixedTree("fixed", load_topology(str(path)))
+    decoder = SpecDecoder(loaded, drafter if tree != "ar" else None, policy)
+    greedy = decoder.generate(PROMPT, DecodingConfig(policy="fixed", max_new_tokens=12)).output_token_ids
+    for seed in range(5):
+        for warping in (dict(top_k=1), dict(top_p=1e-6)):
+            cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, max_new_tokens=12, **warping)
+            assert cfg.acceptance == "exact"
+            assert decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed)).output_token_ids == greedy
+
+
+def test_typical_acceptance_refuses_top_p_and_top_k():
+    from pydantic import ValidationError
+
+    for warping in (dict(top_p=0.9), dict(top_k=5)):
+        with pytest.raises(ValidationError, match="typical acceptance has no definition with --top-p or --top-k"):
+            DecodingConfig(temperature=0.7, acceptance="typical", **warping)
+    DecodingConfig(temperature=0.0, acceptance="typical", top_k=5)  # no sampling, nothing to warp

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from entmtp_ray.decode.acceptance import exact_accept, greedy_path, next_token, sample_token, typical_path
+from entmtp_ray.decode.acceptance import exact_accept, greedy_path, sample_token, typical_path, warp
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.model.heads import HeadsPlan, HydraHeads
 from entmtp_ray.model.kv_cache import KVCache
@@ -354,7 +354,7 @@ class SpecDecoder:
         positions = torch.arange(prompt.numel(), device=dev)  # [p]
         hidden = forward_hidden(self.loaded.model, cache, prompt, positions, plan=plan)  # [p, H]
         cache.keep(positions)
-        root = next_token(plan.lm_head(hidden[-1]), cfg.temperature, generator)
+        root = int(_sample(cfg, plan.lm_head(hidden[-1]), generator))
         self.drafter.begin(hidden, positions, capacity)
         tracer, own_tracer = self._tracer(cfg)
         request = Request(cfg, generator, capacity, plan, root, [], None, tracer, own_tracer, profile,
@@ -425,14 +425,16 @@ class SpecDecoder:
         stat = request.tracer.stat if request.tracer is not None else None
         scored = verified.logits[:buffers.num_scored]  # [scored, V]
         if buffers.children[0] and cfg.temperature > 0 and cfg.acceptance == "exact":
-            path, rejected = exact_accept(tokens, scored, buffers.row_of_node, buffers.children, cfg.temperature,
+            # the walk and the residual sample the warped distribution (--top-p/--top-k) at T, given as T=1 logits
+            warped = warp(scored, cfg.temperature, cfg.top_p, cfg.top_k)
+            path, rejected = exact_accept(tokens, warped, buffers.row_of_node, buffers.children, 1.0,
                                           request.generator)
             last = path[-1]
             chain = buffers.chains[last]  # the walk's path: the nodes root..last
-            logits = self._logits_at(request, verified, last)  # [V]
+            logits = warp(self._logits_at(request, verified, last), cfg.temperature, cfg.top_p, cfg.top_k)  # [V]
             if rejected:  # every child of `last` was tried and rejected: sample from the residual
                 logits = logits.index_fill(0, tokens[buffers.child_nodes[last]], float("-inf"))
-            parts = [sample_token(logits, cfg.temperature, request.generator), tokens[chain]]
+            parts = [sample_token(logits, 1.0, request.generator), tokens[chain]]
             if stat is not None:
                 parts.append(self._path_stats(stat, request, verified, chain))
             pulled = _read_back(parts)
@@ -453,8 +455,7 @@ class SpecDecoder:
         guess = buffers.leaf_logits or cfg.temperature <= 0
         parts = [length, nodes, tokens[nodes]]
         if guess:
-            parts.append(sample_token(verified.logits.index_select(0, last_row.clamp(min=0))[0], cfg.temperature,
-                                      request.generator))
+            parts.append(_sample(cfg, verified.logits.index_select(0, last_row.clamp(min=0))[0], request.generator))
         if stat is not None:
             parts.append(self._path_stats(stat, request, verified, nodes))
         pulled = _read_back(parts)  # the step's one read-back
@@ -466,7 +467,7 @@ class SpecDecoder:
             return Accepted(path[:a], node_ids, accepted, int(rest[0]), rest[1:1 + a])
         # the last node is a leaf without logits (CPU buffers): its logits, the token after it and its statistic
         logits = self._logits_at(request, verified, last)
-        parts = [sample_token(logits, cfg.temperature, request.generator)]
+        parts = [_sample(cfg, logits, request.generator)]
         if stat is not None:
             parts.append(verifier_stat(stat, logits[None]))
         more = _read_back(parts)
@@ -522,6 +523,14 @@ class SpecDecoder:
         if request.own_tracer:
             request.tracer.update(trace)
         return trace
+
+
+def _sample(cfg: DecodingConfig, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token ([1] on the device) from the verifier's logits ([V]): the argmax at T=0, else a sample of
+    the distribution at T warped by --top-p/--top-k."""
+    if cfg.temperature <= 0:
+        return sample_token(logits, 0.0, None)
+    return sample_token(warp(logits, cfg.temperature, cfg.top_p, cfg.top_k), 1.0, generator)
 
 
 def _read_back(parts: list[torch.Tensor]) -> list[float]:
