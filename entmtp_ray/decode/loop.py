@@ -406,10 +406,10 @@ class SpecDecoder:
     def verify(self, request: Request, buffers: TreeBuffers, tokens: torch.Tensor) -> Verified:
         """One forward of the base model over the tree's nodes, and the verifier logits of its logit nodes."""
         committed = self.cache.length
-        positions = committed + buffers.depth_of  # [n]
-        if self.verifier is not None:
+        if self.verifier is not None:  # static shapes: positions come from the verifier's device-side start
             hidden, logits = self.verifier(buffers, tokens, committed)
             return Verified(buffers, tokens, committed, hidden, logits)
+        positions = committed + buffers.depth_of  # [n]
         hidden = forward_hidden(self.loaded.model, self.cache, tokens, positions, buffers.tree_mask,
                                 request.plan)  # [n, H]
         logits = request.plan.lm_head(hidden[buffers.logit_nodes])  # [rows, V]

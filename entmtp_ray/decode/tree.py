@@ -231,7 +231,7 @@ def build_buffers(topology: Topology, device: torch.device | str = "cpu", leaf_l
             )
         )
     scored = sorted(index[p] for p in children)
-    unscored = [i for i in range(n) if i not in set(scored)]
+    unscored = sorted(set(range(n)) - set(scored))
     logit_nodes = scored + (unscored if leaf_logits else unscored[:1] if n == 1 else [])
     child_nodes = tuple(tuple(index[p + (r,)] for r in range(children.get(p, 0))) for p in sorted(index, key=index.get))
     chains = tuple(tuple(index[p[:k]] for k in range(len(p) + 1)) for p in sorted(index, key=index.get))

@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from entmtp_ray.config import JobConfig, PoolConfig
 from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.outputs import finished_ids, summarize
-from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, place_actors, read_mounts, spans_nodes
+from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_mounts, spans_nodes
 from entmtp_ray.pipeline.processor import Processor
 from entmtp_ray.pipeline.sources import Location, Source, file_format, file_label, read_file
 from entmtp_ray.pipeline.tasks import PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize
@@ -230,8 +230,9 @@ def _place(job: JobConfig, processor: Processor) -> tuple[ActorPlacement, bool]:
     if problem:  # the local Ray's GPUs would be this machine's
         raise ValueError(f"--device {model.device}: {problem}; or use --device cpu")
     init_ray(job, pool)
+    processor.placement = None  # decided afresh on the cluster just joined, by the processor's one rule
+    placement = processor.place()
     cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
-    placement = place_actors(model.device, pool.gpus_per_actor, cluster_gpus)
     if started_here and placement.gpus > cluster_gpus:
         raise ValueError(f"--gpus-per-actor {placement.gpus:g}: this machine has {cluster_gpus:g} GPUs for the "
                          "local Ray the job started, so no actor could start; pass --gpus-per-actor 0 (and --device "
