@@ -2,6 +2,11 @@
 
     python jobs/build_bank.py --task gsm8k --dataset path/to/gsm8k/train.jsonl \\
         --out banks/smollm2-135m-instruct/gsm8k.json --work runs/bank-gsm8k
+    python jobs/build_bank.py --task gsm8k humaneval sharegpt --name general \\
+        --out banks/smollm2-135m-instruct/general.json --work runs/bank-general
+
+Several tasks make one bank over a mix of their prompts (--prompts split evenly): the general bank a job
+without --task reads.
 
 1. Self-rollouts of the task's calibration prompts (its `tune` subset, --prompts sampled with
    --seed) on a Ray actor pool, through the same actor code as jobs/generate.py; greedy output
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 
 
+import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 
@@ -42,7 +48,7 @@ from entmtp_ray.decode.loop import row_generator
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology
 from entmtp_ray.pipeline.engine import Engine
-from entmtp_ray.pipeline.tasks import TASKS, load_prompts
+from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS, TASKS, load_prompts
 
 MAX_RANKS = (16, 8, 8, 8, 8)  # ranks kept per depth; a tree never needs more children than these
 
@@ -127,16 +133,37 @@ def project_relative(path: str) -> str:
         return str(path)
 
 
-def calibration_source(task: str, dataset: str | None) -> str:
-    """What the bank was calibrated on, without a path of the machine that built it (banks ship)."""
-    if dataset is None:
-        return task
-    return f"{task}: {Path(dataset).name} (a local copy)" if Path(dataset).exists() else f"{task}: {dataset}"
+def calibration_source(tasks: list[str], dataset: str | None) -> str:
+    """What the bank was calibrated on, without a path of the machine that built it (banks ship). `dataset` is
+    GSM8K's copy when GSM8K is among several tasks."""
+    def one(task: str) -> str:
+        if dataset is None or (len(tasks) > 1 and task != "gsm8k"):
+            return task
+        return f"{task}: {Path(dataset).name} (a local copy)" if Path(dataset).exists() else f"{task}: {dataset}"
+    return " + ".join(one(t) for t in tasks)
+
+
+def calibration_prompts(tasks: list[str], dataset: str | None, split: str, prompts: int, seed: int) -> pa.Table:
+    """The `tune` prompts to calibrate on: one task's, or an even mix of several tasks' (ids prefixed with
+    their task, so they stay unique; only the prompt columns, as the tasks' own columns differ)."""
+    if len(tasks) == 1:
+        return load_prompts(tasks[0], dataset, split=split, limit=prompts, seed=seed, subset="tune")
+    parts = []
+    for k, task in enumerate(tasks):
+        share = prompts // len(tasks) + (k < prompts % len(tasks))
+        table = load_prompts(task, dataset if task == "gsm8k" else None, split=split, limit=share, seed=seed,
+                             subset="tune").select(list(INTERNAL_COLUMNS))
+        ids = [f"{task}:{i}" for i in table.column("id").to_pylist()]
+        parts.append(table.set_column(0, "id", pa.array(ids, pa.string())))
+    return pa.concat_tables(parts)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", required=True, choices=sorted(TASKS))
+    p.add_argument("--task", required=True, nargs="+", choices=sorted(TASKS),
+                   help="the task whose prompts calibrate the bank; several: a mix of their prompts (with --name)")
+    p.add_argument("--name", default=None, help="the bank's name, as its tree names and `task` field carry it "
+                   "(default: the task); the shipped mix of all three tasks is `general`")
     p.add_argument("--dataset", default=None, help="local copy of the task's data (GSM8K)")
     p.add_argument("--split", default="train")
     p.add_argument("--prompts", type=int, default=100, help="calibration prompts (tune subset)")
@@ -163,7 +190,10 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model_cfg = config_from_args(ModelConfig, args)
-    table = load_prompts(args.task, args.dataset, split=args.split, limit=args.prompts, seed=args.seed, subset="tune")
+    if len(args.task) > 1 and not args.name:
+        p.error("several --task values make a mixed bank: name it with --name (e.g. general)")
+    name = args.name or args.task[0]
+    table = calibration_prompts(args.task, args.dataset, args.split, args.prompts, args.seed)
     rollout_dir = rollouts(args, model_cfg, table, work)
     if args.rollouts_only:
         return 0
@@ -174,7 +204,7 @@ def main(argv=None) -> int:
     depth = engine.decoder.drafter.max_depth
     table_ = AcceptanceTable((row for r in measured for row in r.rows), max_depth=depth)
     grown = grow_trees(table_, args.budget, max_depth=depth)
-    trees = candidate_trees(grown, args.budget, args.task)
+    trees = candidate_trees(grown, args.budget, name)
     prompts = table.column("prompt").to_pylist()[: args.timing_prompts]
     seconds, prefill = step_seconds(engine, trees, prompts, min(64, args.max_new_tokens), work)
 
@@ -187,7 +217,7 @@ def main(argv=None) -> int:
     frontier = [names[i] for i in pareto_frontier([(trees[n].num_nodes, stats[n]["tau"]) for n in names])]
     policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier, lengths=lengths)
     bank = Bank(
-        model=Path(args.model).name, heads=project_relative(engine.heads_label), task=args.task,
+        model=Path(args.model).name, heads=project_relative(engine.heads_label), task=name,
         hardware=current_hardware(engine.loaded.device, engine.loaded.dtype),
         calibration={"source": calibration_source(args.task, args.dataset), "subset": "tune", "prompts": len(measured),
                      "seed": args.seed, "max_new_tokens": args.max_new_tokens, "positions": table_.rows},
