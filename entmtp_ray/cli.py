@@ -17,6 +17,7 @@ from transformers.utils import logging as transformers_logging
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.engine import Engine
 from entmtp_ray.pipeline.sources import LINE_ERROR, LINE_ID, POS, open_file, read_file, resolve_filesystem
+from entmtp_ray.pipeline.sampling import SAMPLING_COLUMN, check_row
 
 ConfigT = typing.TypeVar("ConfigT", bound=BaseModel)
 
@@ -90,10 +91,11 @@ def flag_table(config: type[BaseModel]) -> str:
     return "\n".join(lines)
 
 
-def read_prompts(args) -> list[tuple[str, object, str | None]]:
-    """(id, prompt, error) triples; a malformed line is kept, with its error, so it gets an output row."""
+def read_prompts(args) -> list[tuple[str, object, str | None, object]]:
+    """(id, prompt, error, sampling_params) rows; a malformed line is kept, with its error, so it gets an
+    output row."""
     if args.prompt is not None:
-        return [("prompt-0", args.prompt, None)]
+        return [("prompt-0", args.prompt, None, None)]
     fs, path = resolve_filesystem(args.prompts_file)
     if not path.endswith((".jsonl", ".json", ".jsonl.gz")):
         raise ValueError(f"--prompts-file {args.prompts_file}: expected a JSON lines file (.jsonl)")
@@ -102,7 +104,7 @@ def read_prompts(args) -> list[tuple[str, object, str | None]]:
         for chunk in read_file(f, path, text_columns=("prompt",)):
             for row in chunk.to_pylist():
                 row_id = row.get("id") if row.get("id") is not None else row.get(LINE_ID) or f"row-{row[POS]:07d}"
-                triples.append((str(row_id), row.get("prompt"), row.get(LINE_ERROR)))
+                triples.append((str(row_id), row.get("prompt"), row.get(LINE_ERROR), row.get(SAMPLING_COLUMN)))
     return triples
 
 
@@ -114,9 +116,14 @@ def cmd_generate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine.warm_up()
-    for row_id, prompt, error in prompts:
-        row = engine.error_row(row_id, prompt, error) if error else engine.run(row_id, prompt)
-        print(json.dumps(row), flush=True)
+    for row_id, prompt, error, params in prompts:
+        overrides, n, problem = check_row(engine.decoding, params) if not error else ({}, 1, None)
+        for index in range(n):  # one line per sample, as the job writes one row per sample
+            if error or problem:
+                row = engine.error_row(row_id, prompt, error or problem, index)
+            else:
+                row = engine.run(row_id, prompt, sample_index=index, overrides=overrides)
+            print(json.dumps(row), flush=True)
     return 0
 
 
@@ -175,7 +182,7 @@ def main(argv=None) -> int:
     gen = sub.add_parser("generate", help="generate for one prompt or a JSONL file of prompts")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message")
-    src.add_argument("--prompts-file", help='JSONL with {"id", "prompt"} per line')
+    src.add_argument("--prompts-file", help='JSONL with {"id", "prompt"} per line, and optionally "sampling_params" (README: per-row settings)')
     add_config_args(gen, ModelConfig)
     add_config_args(gen, DecodingConfig)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -75,6 +75,8 @@ class DecodingConfig(BaseModel):
     max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
     seed: int = Field(123, description="sampling seed (each row's generator is seeded from it and the row id) "
                       "and --limit's row sample")
+    n: int = Field(1, ge=1, description="samples per prompt, as vLLM's `n`: each input row gives n output rows "
+                   "(sample_index 0..n-1), each seeded from the row id and its index (at T=0 they are the same)")
     stop: list[str] | None = Field(
         None, description="stop strings, as vLLM's `stop`: generation ends at the first one in the generated text "
         "(not the prompt), even inside a step that committed several tokens; the output keeps the tokens up to the "

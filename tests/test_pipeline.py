@@ -245,7 +245,7 @@ def test_resume_sets_aside_files_a_stopped_job_cut_short(tmp_path):
     output reads again) and its rows count as not done; whole files count."""
     import pyarrow.parquet as pq
 
-    from entmtp_ray.pipeline.outputs import finished_ids
+    from entmtp_ray.pipeline.outputs import finished_keys
 
     out = tmp_path / "out"
     out.mkdir()
@@ -254,7 +254,7 @@ def test_resume_sets_aside_files_a_stopped_job_cut_short(tmp_path):
     whole = (tmp_path / "whole.parquet").read_bytes()
     (out / "part-1.parquet").write_bytes(whole[: len(whole) // 2])
     (out / "part-2.parquet").write_bytes(b"")
-    assert sorted(finished_ids(str(out)).to_pylist()) == ["a", "b"]
+    assert sorted(finished_keys(str(out)).to_pylist()) == ["a#0", "b#0"]
     assert sorted(p.name for p in (out / ".unreadable").iterdir()) == ["part-1.parquet", "part-2.parquet"]
     assert sorted(r["id"] for r in read_output(out)) == ["a", "b"]
-    assert finished_ids(str(tmp_path / "missing")).to_pylist() == []
+    assert finished_keys(str(tmp_path / "missing")).to_pylist() == []

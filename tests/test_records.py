@@ -17,6 +17,7 @@ from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, output_table
 # renames, drops, reorders or retypes a column must fail this test and be made deliberately.
 PINNED_SCHEMA = [
     ("id", pa.string()),
+    ("sample_index", pa.int64()),
     ("task", pa.string()),
     ("prompt", pa.string()),
     ("output_text", pa.string()),

@@ -32,9 +32,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from entmtp_ray.config import JobConfig, PoolConfig
 from entmtp_ray.model.loading import cuda_problem
-from entmtp_ray.pipeline.outputs import finished_ids, summarize
+from entmtp_ray.pipeline.outputs import finished_keys, summarize
 from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_mounts, spans_nodes
 from entmtp_ray.pipeline.processor import Processor
+from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, output_keys
 from entmtp_ray.pipeline.sources import Location, Source, file_format, file_label, read_file
 from entmtp_ray.pipeline.tasks import PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize
 
@@ -141,9 +142,9 @@ def _on_this_node() -> dict:
 
 
 @ray.remote(num_cpus=0, num_returns=2)
-def finished_ids_task(location: Location) -> tuple[pa.Array, int]:
-    ids = finished_ids(location)
-    return ids, len(ids)
+def finished_keys_task(location: Location) -> tuple[pa.Array, int]:
+    keys = finished_keys(location)
+    return keys, len(keys)
 
 
 summarize_task = ray.remote(num_cpus=0)(summarize)
@@ -159,7 +160,10 @@ def _drop_finished(done_ref):
             _DONE_CACHE.clear()
             _DONE_CACHE[key] = ray.get(done_ref)
         done = _DONE_CACHE[key]
-        return batch.filter(pc.invert(pc.is_in(batch.column("id"), value_set=done))) if len(done) else batch
+        if not len(done):
+            return batch
+        keys = output_keys(batch.column("id"), batch.column(SAMPLE_INDEX))
+        return batch.filter(pc.invert(pc.is_in(keys, value_set=done)))
     return drop
 
 
@@ -265,12 +269,15 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     ds = ds.map_batches(_counted(tally), batch_format="pyarrow", batch_size=None)
     if limit is not None:
         ds = sample(ds, limit, seed)
+    samples = RowTally.options(**_on_this_node()).remote()
+    ds = processor.expand(ds).map_batches(_counted(samples), batch_format="pyarrow", batch_size=None)
     if job.resume:
-        done, count = finished_ids_task.options(**_on_this_node()).remote(location)
+        done, count = finished_keys_task.options(**_on_this_node()).remote(location)
         log.warning("resume: %d rows already in %s are skipped", ray.get(count), location.uri)
         ds = ds.map_batches(_drop_finished(done), batch_format="pyarrow", batch_size=None)
-    processor.generate(ds).write_parquet(location.path, filesystem=location.filesystem,
-                                         min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
+    processor.decode(ds).write_parquet(location.path, filesystem=location.filesystem,
+                                       min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
     read = ray.get(tally.total.remote())
     input_rows = min(read, limit) if limit is not None else read
-    return ray.get(summarize_task.options(**_on_this_node()).remote(location, start, input_rows))
+    expected = ray.get(samples.total.remote())
+    return ray.get(summarize_task.options(**_on_this_node()).remote(location, start, input_rows, expected))

@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 import time
 
+from pydantic import ValidationError
+
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.loop import GenerationResult, row_generator
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.pipeline.assemble import load_stack, plan, warn_if_bank_elsewhere
 from entmtp_ray.pipeline.records import RowContext, error_row, result_row
+from entmtp_ray.pipeline.sampling import explain, row_decoding, sample_key
 
 log = logging.getLogger(__name__)
 
@@ -78,29 +81,38 @@ class Engine:
         """Prompt ids for one user message (or a list of chat turns); ValueError says why a prompt is bad."""
         return encode_checked(self.loaded, prompt, self.decoding.max_input_tokens)
 
-    def generate(self, row_id, prompt) -> GenerationResult:
+    def generate(self, row_id, prompt, decoding: DecodingConfig | None = None, sample_index: int = 0
+                 ) -> GenerationResult:
+        """One sample for a prompt, with the job's settings or a row's own (`decoding`, from row_decoding)."""
+        cfg = decoding or self.decoding
         ids = self.encode(prompt)
         # a row without an id (a user's Dataset may have none) is seeded by its prompt
-        gen = row_generator(self.decoding.seed, row_id if row_id is not None else repr(prompt), self.loaded.device)
-        return self.decoder.generate(ids, self.decoding, gen)
+        key = sample_key(row_id if row_id is not None else repr(prompt), sample_index)
+        return self.decoder.generate(ids, cfg, row_generator(cfg.seed, key, self.loaded.device))
 
-    def _context(self, row_id, prompt) -> RowContext:
+    def _context(self, row_id, prompt, decoding: DecodingConfig | None = None, sample_index: int = 0) -> RowContext:
         return RowContext(id=row_id, prompt=prompt if isinstance(prompt, str) or prompt is None else repr(prompt),
-                          decoding=self.decoding, model=self.model_cfg.model, heads=self.heads_label,
+                          decoding=decoding or self.decoding, model=self.model_cfg.model, heads=self.heads_label,
                           bank=self.bank_label, max_depth=self.decoder.drafter.max_depth, started_at=time.time(),
-                          actor_id=self.actor_id)
+                          actor_id=self.actor_id, sample_index=sample_index)
 
-    def error_row(self, row_id, prompt, message: str) -> dict:
+    def error_row(self, row_id, prompt, message: str, sample_index: int = 0) -> dict:
         """The output row of a row that cannot run (e.g. unreadable input)."""
-        return error_row(self._context(row_id, prompt), message)
+        return error_row(self._context(row_id, prompt, sample_index=sample_index), message)
 
-    def run(self, row_id, prompt, messages: list[dict] | None = None) -> dict:
-        """The output row for one prompt (or chat, `messages`). Any failure of this row becomes its `error`
-        ("TypeName: message"; a bad prompt's ValueError says what is wrong); only a failure that means this
-        process is broken (out of memory, a CUDA device error) raises, as EngineBroken."""
-        context = self._context(row_id, prompt)
+    def run(self, row_id, prompt, messages: list[dict] | None = None, sample_index: int = 0,
+            overrides: dict | None = None) -> dict:
+        """The output row for one sample of a prompt (or chat, `messages`), with a row's sampling overrides
+        (pipeline/sampling.py). Any failure of this row becomes its `error` ("TypeName: message"; a bad prompt's
+        or setting's ValueError says what is wrong); only a failure that means this process is broken (out of
+        memory, a CUDA device error) raises, as EngineBroken."""
         try:
-            result = self.generate(row_id, messages if messages else prompt)
+            decoding = row_decoding(self.decoding, overrides or {})
+        except ValidationError as exc:
+            return error_row(self._context(row_id, prompt, sample_index=sample_index), explain(exc))
+        context = self._context(row_id, prompt, decoding, sample_index)
+        try:
+            result = self.generate(row_id, messages if messages else prompt, decoding, sample_index)
         except ValueError as exc:
             return error_row(context, str(exc))
         except Exception as exc:  # noqa: BLE001 - one row's failure is data, not the job's end

@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from entmtp_ray.pipeline.sampling import output_keys
 from entmtp_ray.pipeline.sources import Location
 
 log = logging.getLogger(__name__)
@@ -36,28 +37,38 @@ def readable_files(location: Location) -> list[str]:
     return files
 
 
-def finished_ids(output: str | Location) -> pa.Array:
-    """The distinct ids already written to the output (readable files only)."""
+def finished_keys(output: str | Location) -> pa.Array:
+    """The distinct samples already written to the output, as `<id>#<sample index>` (sampling.output_keys;
+    readable files only)."""
     location = Location.of(output)
     files = readable_files(location)
     if not files:
         return pa.array([], pa.string())
-    table = pads.dataset(files, filesystem=location.filesystem, format="parquet").to_table(columns=["id"])
-    return pc.unique(table.column("id").combine_chunks())
+    return pc.unique(_keys(pads.dataset(files, filesystem=location.filesystem, format="parquet")).combine_chunks())
 
 
-def summarize(output: str | Location, started: float, input_rows: int) -> dict:
-    """The run's JSON summary, from everything written to the output, scanned batch by batch."""
+def _keys(dataset: pads.Dataset, batch: pa.RecordBatch | None = None) -> pa.Array:
+    """The sample keys of `batch` (or of the whole dataset); an output written before --n has no sample_index."""
+    has_index = "sample_index" in dataset.schema.names
+    if batch is None:
+        batch = dataset.to_table(columns=["id", "sample_index"] if has_index else ["id"])
+    return output_keys(batch.column("id"), batch.column("sample_index") if has_index else None)
+
+
+def summarize(output: str | Location, started: float, input_rows: int, expected_rows: int | None = None) -> dict:
+    """The run's JSON summary, from everything written to the output, scanned batch by batch. `expected_rows`:
+    the output rows the input asks for (its rows times their samples; default input_rows)."""
     location = Location.of(output)
     files = readable_files(location)
     rows = errors = tokens = steps = nodes = 0
     first_start, last_end, first_row_end = None, None, None
-    ids = []
+    keys = []
     if files:
         dataset = pads.dataset(files, filesystem=location.filesystem, format="parquet")
-        for batch in dataset.to_batches(columns=SUMMARY_COLUMNS):
+        columns = SUMMARY_COLUMNS + (["sample_index"] if "sample_index" in dataset.schema.names else [])
+        for batch in dataset.to_batches(columns=columns):
             rows += batch.num_rows
-            ids.append(batch.column("id"))
+            keys.append(_keys(dataset, batch))
             ok = batch.filter(pc.is_null(batch.column("error")))
             errors += batch.num_rows - ok.num_rows
             if not ok.num_rows:
@@ -71,13 +82,14 @@ def summarize(output: str | Location, started: float, input_rows: int) -> dict:
             this_run = pc.filter(ends, pc.greater_equal(ok.column("started_at"), started))
             if len(this_run):
                 first_row_end = _min(first_row_end, pc.min(this_run).as_py())
-    distinct = pc.count_distinct(pa.chunked_array(ids, pa.string())).as_py() if ids else 0
+    distinct = pc.count_distinct(pa.chunked_array(keys, pa.string())).as_py() if keys else 0
     done = rows - errors
     span = (last_end - first_start) if done else 0.0
     return {
         "rows": rows,
         "input_rows": input_rows,
-        "duplicates": rows - distinct,
+        "expected_rows": input_rows if expected_rows is None else expected_rows,  # input rows x their samples
+        "duplicates": rows - distinct,  # rows beyond one per (id, sample_index)
         "errors": errors,
         "output_tokens": tokens,
         "aggregate_tokens_per_s": tokens / span if span > 0 else 0.0,

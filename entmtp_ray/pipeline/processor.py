@@ -30,11 +30,14 @@ from entmtp_ray.pipeline.assemble import plan
 from entmtp_ray.pipeline.engine import EngineBroken
 from entmtp_ray.pipeline.placement import ActorPlacement, check_device, place_actors
 from entmtp_ray.pipeline.records import output_table
+from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, SAMPLING, expand, sample_key
 from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS, PromptSpec, standardize
 
 log = logging.getLogger(__name__)
 
-# Fault injection for the exactly-once tests: the actor that meets this row id fails, once (the
+ROW_COLUMNS = (*INTERNAL_COLUMNS, SAMPLE_INDEX, SAMPLING)  # what the actor reads of a row; not passed through
+
+# Fault injection for the exactly-once tests: the actor that meets this row id (or sample key) fails, once (the
 # marker file records that it happened): it exits abruptly (kind `exit`), or its engine reports
 # itself broken (kind `broken`, as an out-of-memory error would).
 FAULT_ROW_ENV = "ENTMTP_FAULT_EXIT_ON_ROW"
@@ -59,19 +62,21 @@ class GenerateActor:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = []
-        for row in batch.select(list(INTERNAL_COLUMNS)).to_pylist():
+        for row in batch.select(list(ROW_COLUMNS)).to_pylist():
+            index = row[SAMPLE_INDEX]
             if row["_input_error"]:
-                rows.append(self.engine.error_row(row["id"], row["prompt"], row["_input_error"]))
+                rows.append(self.engine.error_row(row["id"], row["prompt"], row["_input_error"], index))
                 continue
             messages = json.loads(row["_messages"]) if row["_messages"] else None
+            overrides = json.loads(row[SAMPLING]) if row[SAMPLING] else None
             try:
-                _maybe_fault(row["id"])
-                rows.append(self.engine.run(row["id"], row["prompt"], messages))
+                _maybe_fault(row["id"], index)
+                rows.append(self.engine.run(row["id"], row["prompt"], messages, index, overrides))
             except EngineBroken:
                 # this actor is unusable: end it, and Ray Data restarts it and retries the block
                 log.exception("actor %s is broken; exiting so that Ray retries its rows", self.engine.actor_id)
                 os._exit(1)
-        passthrough = batch.drop_columns([c for c in INTERNAL_COLUMNS if c in batch.column_names])
+        passthrough = batch.drop_columns([c for c in ROW_COLUMNS if c in batch.column_names])
         return output_table(passthrough, rows)
 
 
@@ -84,9 +89,9 @@ def check_assigned_gpu() -> None:
                            f"Ray, but {problem}")
 
 
-def _maybe_fault(row_id: str | None) -> None:
+def _maybe_fault(row_id: str | None, sample_index: int = 0) -> None:
     target, marker = os.environ.get(FAULT_ROW_ENV), os.environ.get(FAULT_MARKER_ENV)
-    if target and marker and row_id == target and not os.path.exists(marker):
+    if target and marker and target in (row_id, sample_key(row_id, sample_index)) and not os.path.exists(marker):
         Path(marker).write_text(str(os.getpid()))
         if os.environ.get(FAULT_KIND_ENV, "exit") == "broken":
             raise EngineBroken(f"row {row_id}: injected fault")
@@ -124,9 +129,18 @@ class Processor:
 
     def generate(self, prompts: "ray.data.Dataset") -> "ray.data.Dataset":
         """The stage on rows that already hold the prompt columns (tasks.standardize's output)."""
+        return self.decode(self.expand(prompts))
+
+    def expand(self, prompts: "ray.data.Dataset") -> "ray.data.Dataset":
+        """Prompt rows -> one row per sample, their sampling_params checked (pipeline/sampling.py)."""
+        decoding = self.config.decoding
+        return prompts.map_batches(lambda batch: expand(batch, decoding), batch_format="pyarrow", batch_size=None)
+
+    def decode(self, samples: "ray.data.Dataset") -> "ray.data.Dataset":
+        """The actor pool over expanded rows (`expand`'s output): one output row per sample."""
         pool, placement = self.config.pool, self.place()
         DataContext.get_current().max_errored_blocks = 0  # never drop a failed block silently
-        return prompts.repartition(target_num_rows_per_block=pool.rows_per_block).map_batches(
+        return samples.repartition(target_num_rows_per_block=pool.rows_per_block).map_batches(
             GenerateActor,
             fn_constructor_kwargs={"model_cfg": self.config.model.model_dump() | {"device": placement.device},
                                    "decoding": self.config.decoding.model_dump(),

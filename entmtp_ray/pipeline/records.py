@@ -13,6 +13,7 @@ from entmtp_ray.decode.loop import GenerationResult
 
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()),
+    ("sample_index", pa.int64()),  # 0..n-1: which of the row's samples (--n, or the row's sampling_params)
     ("task", pa.string()),  # --task, null for a plain --dataset run
     ("prompt", pa.string()),
     ("output_text", pa.string()),
@@ -56,19 +57,21 @@ class RowContext:
 
     id: str
     prompt: str | None  # the user message (chat turns: their repr)
-    decoding: DecodingConfig  # task, policy, temperature and acceptance come from here
+    decoding: DecodingConfig  # task, policy, temperature and acceptance come from here (the row's own settings)
     model: str  # --model as the user gave it
     heads: str | None  # the heads directory that drafted (None: no drafting)
     bank: str | None  # the bank file the policy read (None: no bank)
     max_depth: int  # draft depths the heads have: the length of accepted_per_position
     started_at: float | None = None  # unix seconds when the row started
     actor_id: str | None = None  # the Ray actor that decoded it (None outside Ray)
+    sample_index: int = 0  # which of the row's samples
 
 
 def _base(context: RowContext) -> dict:
     decoding = context.decoding
     return {
         "id": context.id,
+        "sample_index": context.sample_index,
         "task": decoding.task,
         "prompt": context.prompt,
         "policy": decoding.policy,
