@@ -1,11 +1,11 @@
-"""The generation job's Ray Data plane: prompts streamed from any filesystem -> (--limit, --resume) -> the
-processor's actor pool -> Parquet on any filesystem -> the run's summary.
+"""The generation job's Ray Data plane: prompts streamed from any filesystem -> (--limit) -> one row per
+sample (--n) -> (--resume) -> the processor's actor pool -> Parquet on any filesystem -> the run's summary.
 
 The driver lists files and plans; it never holds the dataset. Read tasks parse files (sources.read_file)
 and turn records into prompt rows (tasks.standardize) on the workers. --limit keeps the rows whose ids hash
 lowest with the seed (each block keeps its own lowest first, so only a few rows meet in the sort). --resume
-drops the ids already written (an anti-join against an id set that a task on the driver's node reads from
-the output, into the object store). The summary is computed the same way, from the output's files.
+drops the samples already written (an anti-join against the `<id>#<sample_index>` keys that a task on the
+driver's node reads from the output, into the object store). The summary is computed the same way, from the output's files.
 
 Exactly-once rests on Ray Data's defaults (restarted actors, retried tasks, no dropped blocks) and on the
 manifest and the anti-join for a job run again with --resume.
