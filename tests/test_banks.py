@@ -156,7 +156,8 @@ def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_hyd
         assert resolved.decoding.policy == "entmtp-tau" and resolved.bank_path == shipped_bank(embedded.model, task)
     general = preflight(embedded, DecodingConfig())  # a dataset of the user's own: the general bank
     assert general.decoding.policy == "entmtp-tau" and general.decoding.bank == str(shipped_bank(embedded.model,
-                                                                                                 "sharegpt"))
+                                                                                                 "general"))
+    assert general.bank.task == "general" and "humaneval" in general.bank.calibration["source"]
     bank = tmp_path / "bank.json"
     save_bank(make_bank(model="tiny-vicuna"), bank)
     model_dir, heads_dir = tiny_model_dirs
@@ -220,3 +221,21 @@ def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     assert (work / "step_seconds.json").stat().st_mtime == stamp
     again = load_bank(out, max_depth=4)
     assert again.trees == resumed_bank.trees and again.policy == resumed_bank.policy
+
+
+def test_a_mixed_bank_calibrates_on_an_even_share_of_each_tasks_tune_prompts():
+    """build_bank with several --task values: the shares add up to --prompts, ids name their task (so they stay
+    unique), only tune prompts are used, and the source names every task without a local path."""
+    from entmtp_ray.jobs.build_bank import calibration_prompts, calibration_source
+    from entmtp_ray.pipeline.tasks import humaneval_tune_ids, is_eval_row
+
+    gsm8k = str(Path(__file__).parent / "fixtures" / "gsm8k_train_200.jsonl")
+    table = calibration_prompts(["gsm8k", "humaneval"], gsm8k, "train", 7, 123)
+    ids = table.column("id").to_pylist()
+    assert table.column_names == ["id", "prompt", "_messages", "_input_error"] and len(set(ids)) == 7
+    assert [i.split(":", 1)[0] for i in ids] == ["gsm8k"] * 4 + ["humaneval"] * 3
+    assert not any(is_eval_row("gsm8k", i.split(":", 1)[1]) for i in ids[:4])
+    assert {i.split(":", 1)[1] for i in ids[4:]} <= humaneval_tune_ids()
+    assert all(p for p in table.column("prompt").to_pylist())
+    assert calibration_source(["gsm8k", "humaneval"], gsm8k) == "gsm8k: gsm8k_train_200.jsonl (a local copy) + humaneval"
+    assert calibration_source(["sharegpt"], None) == "sharegpt"

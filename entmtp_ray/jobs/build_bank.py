@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     model_cfg = config_from_args(ModelConfig, args)
     if len(args.task) > 1 and not args.name:
         p.error("several --task values make a mixed bank: name it with --name (e.g. general)")
-    name = args.name or args.task[0]
+    bank_name = args.name or args.task[0]
     table = calibration_prompts(args.task, args.dataset, args.split, args.prompts, args.seed)
     rollout_dir = rollouts(args, model_cfg, table, work)
     if args.rollouts_only:
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     depth = engine.decoder.drafter.max_depth
     table_ = AcceptanceTable((row for r in measured for row in r.rows), max_depth=depth)
     grown = grow_trees(table_, args.budget, max_depth=depth)
-    trees = candidate_trees(grown, args.budget, name)
+    trees = candidate_trees(grown, args.budget, bank_name)
     prompts = table.column("prompt").to_pylist()[: args.timing_prompts]
     seconds, prefill = step_seconds(engine, trees, prompts, min(64, args.max_new_tokens), work)
 
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     frontier = [names[i] for i in pareto_frontier([(trees[n].num_nodes, stats[n]["tau"]) for n in names])]
     policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier, lengths=lengths)
     bank = Bank(
-        model=Path(args.model).name, heads=project_relative(engine.heads_label), task=name,
+        model=Path(args.model).name, heads=project_relative(engine.heads_label), task=bank_name,
         hardware=current_hardware(engine.loaded.device, engine.loaded.dtype),
         calibration={"source": calibration_source(args.task, args.dataset), "subset": "tune", "prompts": len(measured),
                      "seed": args.seed, "max_new_tokens": args.max_new_tokens, "positions": table_.rows},

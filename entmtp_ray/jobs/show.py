@@ -29,8 +29,10 @@ def main(argv=None) -> int:
         return 2
     frame = pads.dataset(files, filesystem=location.filesystem, format="parquet").to_table().to_pandas()
     frame["error"] = frame["error"].fillna("-")
+    samples = "sample_index" in frame.columns and frame["sample_index"].max() > 0  # --n: several rows per id
+    columns = COLUMNS[:1] + ["sample_index"] + COLUMNS[1:] if samples else COLUMNS
     with pd.option_context("display.width", 160, "display.max_colwidth", 60):
-        print(frame[COLUMNS].sort_values("id").to_string(index=False))
+        print(frame[columns].sort_values(columns[:2] if samples else "id").to_string(index=False))
         print(f"\nfirst output ({frame.iloc[0]['id']}):\n{frame.iloc[0]['output_text']}\n")
     print(f"{len(frame)} rows, {len(frame.columns)} columns in {path}. Read them with:\n"
           f"  pandas.read_parquet('{path}')\n"
