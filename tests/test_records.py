@@ -162,6 +162,14 @@ def test_summary_figures_from_what_was_written(tmp_path):
     assert summary["first_row_s"] == pytest.approx(104.0 - 100.5)  # rows that started after the job did
     assert summary["output"] == str(tmp_path.resolve()) and summary["wall_s"] > 0
     json.dumps(summary)  # the last stdout line is this object
+    # rows that count their accepted drafts (a step cut before its bonus kept only drafts) are summed as written
+    counted = tmp_path / "counted"
+    counted.mkdir()
+    pq.write_table(pa.Table.from_pylist([row("a", 10, 4, 100.0, 2.0) | {"num_accepted_tokens": 6, "sample_index": 0},
+                                         row("a", 9, 4, 100.0, 2.0) | {"num_accepted_tokens": 5, "sample_index": 1}]),
+                   counted / "part-0.parquet")
+    two = summarize(str(counted), started=100.5, input_rows=1, expected_rows=2)
+    assert (two["num_accepted_tokens"], two["duplicates"], two["expected_rows"]) == (11, 0, 2)
     empty = summarize(str(tmp_path / "none"), started=0.0, input_rows=0)
     assert (empty["rows"], empty["output_tokens"], empty["mean_accepted_length"]) == (0, 0, None)
     assert empty["acceptance_rate"] is None

@@ -110,6 +110,8 @@ def test_a_stop_string_across_two_tokens_inside_one_step_ends_the_row_at_the_tok
     assert result.output_text == text[:text.find(stop)] and stop not in result.output_text
     assert sum(result.step_accepted_lengths()) == result.num_output_tokens - 1 == k + 1  # the prefill's is no step's
     assert result.step_accepted_lengths() == [CHAIN] * step + [(k + 1) % CHAIN]
+    # vLLM's accepted drafts: each full step's less its bonus; the cut step's are all drafts
+    assert [s.accepted_drafts for s in result.steps] == [CHAIN - 1] * step + [(k + 1) % CHAIN]
     assert result.mean_accepted_length == (k + 1) / (step + 1)
     assert_cache_holds_the_committed_prefix(loaded, result.decoder, result)
     ar = generate(loaded, None, "ar", stop=[stop])  # greedy equals AR up to the stop point, and stops there too
@@ -123,6 +125,7 @@ def test_a_stop_token_id_inside_a_run_ends_the_row_as_eos_does(loaded, reference
     assert result.finish_reason == "stop" and result.output_token_ids == reference[:k + 1]  # the id is kept
     assert result.output_text == fake_decode(reference[:k + 1])  # decoded as any output (special tokens skipped)
     assert result.step_accepted_lengths()[-1] == k % CHAIN and sum(result.step_accepted_lengths()) == k
+    assert result.steps[-1].accepted_drafts == k % CHAIN  # cut before its bonus token: every token kept was drafted
     ar = generate(loaded, None, "ar", stop_token_ids=[reference[k]])
     assert ar.output_token_ids == result.output_token_ids
 
@@ -284,8 +287,10 @@ def test_a_job_with_a_stop_string_ends_each_row_at_it_on_the_embedded_model(tmp_
         assert row["output_text"] == want.output_text.split("\n")[0] and "\n" not in row["output_text"]
         lengths = row["step_accepted_lengths"]
         assert sum(lengths) == keep - 1 and row["steps"] == len(lengths)
-        assert row["num_accepted_tokens"] == sum(max(0, n - 1) for n in lengths)
-        cut_inside_a_step |= want.step_accepted_lengths()[len(lengths) - 1] > lengths[-1]
+        cut = want.step_accepted_lengths()[len(lengths) - 1] > lengths[-1]  # the stop fell inside the last step
+        # accepted drafts: each step's tokens less its bonus, but a step cut before its bonus kept only drafts
+        assert row["num_accepted_tokens"] == sum(n - 1 for n in lengths[:-1]) + lengths[-1] - (not cut)
+        cut_inside_a_step |= cut
     assert cut_inside_a_step, "some row's stop string should land inside a step that committed past it"
     manifest = json.loads((output / "_manifest.json").read_text())
     assert manifest["settings"]["decoding"]["stop"] == ["\n"]

@@ -39,6 +39,14 @@ class StepTrace:
     top1_prob: list[float]  # top-1 probability
     signal: float | None = None  # the scheduling signal when this step's tree was chosen (None: not traced)
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds, when profiled (PHASES)
+    # of accepted_length, the drafted tokens (the rest is the bonus token); None: all but one. A step cut by EOS,
+    # a stop or the token limit before its bonus token kept only drafts
+    drafts_kept: int | None = None
+
+    @property
+    def accepted_drafts(self) -> int:
+        """Draft tokens this step kept (vLLM's accepted tokens)."""
+        return self.drafts_kept if self.drafts_kept is not None else max(0, self.accepted_length - 1)
 
 
 @dataclass
@@ -517,7 +525,8 @@ class SpecDecoder:
         stat = request.tracer.stat if request.tracer is not None else None
         entropy = accepted.stats if stat == "entropy" else []
         top1 = accepted.stats if stat == "top1" else []
-        trace = StepTrace(verified.buffers.topology.name, verified.buffers.num_nodes, emitted, entropy, top1, signal)
+        trace = StepTrace(verified.buffers.topology.name, verified.buffers.num_nodes, emitted, entropy, top1, signal,
+                          drafts_kept=min(emitted, len(accepted.tokens) - 1))
         request.steps.append(trace)
         self.policy.observe(trace)
         if request.own_tracer:

@@ -60,12 +60,13 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
     the output rows the input asks for (its rows times their samples; default input_rows)."""
     location = Location.of(output)
     files = readable_files(location)
-    rows = errors = tokens = steps = nodes = 0
+    rows = errors = tokens = steps = nodes = accepted = 0
     first_start, last_end, first_row_end = None, None, None
     keys = []
     if files:
         dataset = pads.dataset(files, filesystem=location.filesystem, format="parquet")
-        columns = SUMMARY_COLUMNS + (["sample_index"] if "sample_index" in dataset.schema.names else [])
+        # columns an older release did not write: no samples, accepted drafts derived from the step counts
+        columns = SUMMARY_COLUMNS + [c for c in ("sample_index", "num_accepted_tokens") if c in dataset.schema.names]
         for batch in dataset.to_batches(columns=columns):
             rows += batch.num_rows
             keys.append(_keys(dataset, batch))
@@ -76,6 +77,11 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
             tokens += pc.sum(ok.column("num_output_tokens")).as_py() or 0
             steps += pc.sum(ok.column("steps")).as_py() or 0
             nodes += pc.sum(ok.column("verified_nodes")).as_py() or 0
+            if "num_accepted_tokens" in columns:
+                accepted += pc.sum(ok.column("num_accepted_tokens")).as_py() or 0
+            else:  # each step's tokens but its bonus, each row's but its prefill's
+                accepted += (pc.sum(ok.column("num_output_tokens")).as_py() or 0) - ok.num_rows - \
+                    (pc.sum(ok.column("steps")).as_py() or 0)
             ends = pc.add(ok.column("started_at"), ok.column("total_s"))
             first_start = _min(first_start, pc.min(ok.column("started_at")).as_py())
             last_end = _max(last_end, pc.max(ends).as_py())
@@ -95,10 +101,10 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
         "aggregate_tokens_per_s": tokens / span if span > 0 else 0.0,
         # each row's first token comes from its prefill, not from a step
         "mean_accepted_length": (tokens - done) / steps if steps else None,
-        # the rows' num_draft_tokens and num_accepted_tokens, added up (from columns every version wrote)
+        # the rows' num_draft_tokens and num_accepted_tokens, added up
         "num_draft_tokens": nodes - steps,
-        "num_accepted_tokens": tokens - done - steps,
-        "acceptance_rate": (tokens - done - steps) / (nodes - steps) if nodes > steps else None,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / (nodes - steps) if nodes > steps else None,
         "decode_span_s": span,
         "wall_s": time.time() - started,
         "first_row_s": first_row_end - started if first_row_end is not None else None,  # job start -> first row

@@ -31,7 +31,7 @@ OUTPUT_SCHEMA = pa.schema([
     ("verified_nodes", pa.int64()),  # tree nodes verified over all steps (nodes per step = this / steps)
     ("mean_accepted_length", pa.float64()),
     # vLLM's speculative-decoding counters: draft tokens verified (every tree node below a root) and those kept
-    # (a step's accepted length less its bonus token); acceptance rate = accepted / draft
+    # (a step's accepted drafts, its bonus token not counted); acceptance rate = accepted / draft
     ("num_draft_tokens", pa.int64()),
     ("num_accepted_tokens", pa.int64()),
     ("accepted_per_position", pa.list_(pa.float64())),  # [depth]: fraction of steps accepting depth i+1
@@ -97,7 +97,7 @@ def result_row(context: RowContext, result: GenerationResult) -> dict:
         "verified_nodes": sum(s.nodes for s in result.steps),
         "mean_accepted_length": result.mean_accepted_length,
         "num_draft_tokens": sum(s.nodes - 1 for s in result.steps),
-        "num_accepted_tokens": sum(max(0, s.accepted_length - 1) for s in result.steps),
+        "num_accepted_tokens": sum(s.accepted_drafts for s in result.steps),
         "accepted_per_position": result.accepted_per_position(context.max_depth),
         "tree_usage": result.tree_usage(),
         "tree_switches": result.tree_switches(),
