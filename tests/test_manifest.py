@@ -40,6 +40,11 @@ def test_settings_differences_are_named_field_by_field():
     assert differences(base, limit) == []  # --limit only adds or drops rows
     other = run_settings(ModelConfig(dtype="fp32"), DecodingConfig(), InputConfig(dataset="e.jsonl"), False, None)[0]
     assert differences(base, other) == ["input.dataset: 'd.jsonl' -> 'e.jsonl'", "model.dtype: 'auto' -> 'fp32'"]
+    # an output of an older release lacks the settings added since: at their defaults they decode as before
+    older = json.loads(json.dumps(base))
+    del older["decoding"]["n"], older["decoding"]["stop"], older["decoding"]["top_k"]
+    assert differences(older, base) == []
+    assert differences(older, settings(n=2)) == ["decoding.n: None -> 2"]
 
 
 def test_shipped_heads_and_bank_enter_by_content(tmp_path):

@@ -83,11 +83,18 @@ def _flat(value, prefix: str = "") -> dict:
     return {prefix.rstrip("."): value}
 
 
+def _defaults() -> dict:
+    """Every model and decoding setting at its default, flattened as in a manifest."""
+    return _flat({"model": ModelConfig().model_dump(), "decoding": DecodingConfig().model_dump()})
+
+
 def differences(before: dict, now: dict) -> list[str]:
-    """'field: old -> new' for every setting that differs (nested fields dotted)."""
-    old, new = _flat(before), _flat(now)
+    """'field: old -> new' for every setting that differs (nested fields dotted). A setting the old manifest
+    lacks (added by a later release) that is now at its default decodes as before, so it is no difference."""
+    old, new, defaults = _flat(before), _flat(now), _defaults()
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(set(old) | set(new))
-            if old.get(key) != new.get(key)]
+            if old.get(key) != new.get(key)
+            and not (key not in old and key in defaults and new[key] == defaults[key])]
 
 
 def check_or_write(output: str | Location, settings: dict, resume: bool, sources: dict | None = None) -> None:
