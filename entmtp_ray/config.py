@@ -54,7 +54,7 @@ class DecodingConfig(BaseModel):
                              "(unless --dataset) and the topology bank the entmtp policies read (the one shipped "
                              "for the model and task)")
     bank: str | None = Field(None, description="bank file for the entmtp policies instead of the task's shipped one")
-    signal: Literal["entropy", "top1", "path"] | None = Field(
+    signal: Literal["entropy", "top1", "path", "accepted"] | None = Field(
         None, description="scheduling signal instead of the bank's default (the bank holds settings per signal)")
     trace_signal: bool = Field(
         False, description="record the scheduling signal before every step (Parquet step_signals) even when the "

@@ -277,6 +277,24 @@ def test_a_switching_policy_switches_on_the_entropy_it_should_and_keeps_the_ar_t
     assert [step.tree for step in result.steps] == chosen
 
 
+def test_a_switching_policy_on_the_accepted_signal_reads_no_verifier_statistic_and_keeps_the_ar_tokens(
+        loaded, reference):
+    """The accepted signal needs no statistic of the verifier: the decoder computes none (the steps carry no
+    entropy or top-1 values), the signal follows the accepted lengths, and the tokens stay AR's."""
+    policy = HysteresisPolicy("entmtp-tau", tree_of("chain1"), tree_of("chain4"), -1.9, -1.2,
+                              make_signal("accepted", 0.5, -1.5))
+    _, result = decode(loaded, reference, policy, rotating)
+    assert result.output_token_ids == reference
+    assert all(step.entropy == [] and step.top1_prob == [] for step in result.steps)
+    lengths = result.step_accepted_lengths()
+    want, s = [], -1.5
+    for n in lengths:
+        want.append(s)
+        s = 0.5 * s - 0.5 * n
+    assert result.step_signals() == pytest.approx(want)
+    assert len(result.tree_usage()) == 2, "the lengths should carry the policy across both thresholds"
+
+
 @pytest.mark.parametrize("signal", ["top1", "path"])
 def test_a_ladder_on_top1_signals_reads_the_verifier_at_every_accepted_token(loaded, reference, forced_logits,
                                                                               signal):

@@ -80,18 +80,18 @@ def test_pareto_frontier_keeps_exactly_the_undominated_points():
             assert dominated(i) or any(points[j] == points[i] for j in keep)
 
 
-def regime_rollouts(n: int, seed: int):
+def regime_rollouts(n: int, seed: int, stretch: tuple[int, int] = (10, 30), length: int = 120):
     """Rollouts alternating confident stretches (low entropy; the true token is always the top
-    draft) and uncertain ones (high entropy; nothing is accepted)."""
+    draft) and uncertain ones (high entropy; nothing is accepted), each `stretch` tokens long."""
     from entmtp_ray.calibrate.rollouts import Rollout
 
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         rows, entropy = [], []
-        while len(rows) < 120:
+        while len(rows) < length:
             confident = rng.random() < 0.5
-            for _ in range(rng.randint(10, 30)):
+            for _ in range(rng.randint(*stretch)):
                 rows.append([0, 0, 0] if confident else [-1])
                 entropy.append(rng.uniform(0.0, 0.3) if confident else rng.uniform(2.0, 3.0))
         out.append(Rollout(rows=rows, entropy=entropy, top1=[1 - e / 4 for e in entropy]))
@@ -117,3 +117,24 @@ def test_policy_sweep_finds_a_switching_policy_that_beats_the_static_tree():
     static = replay_all(rollouts, FixedTree("s", trees[params.star]), cost).tokens_per_s
     assert switching > 1.1 * static  # an oracle would get about 1.3x here
     assert figures["signals"]["entropy"]["tau_tokens_per_s"] == pytest.approx(switching)
+    assert entropy.gain == pytest.approx(switching / static - 1) == figures["signals"]["entropy"]["gain"]
+    # under the one-node tree every step accepts 1, so the accepted signal cannot leave n1: it never switches
+    assert params.signals["accepted"].gain == 0.0
+
+
+def test_the_accepted_signal_switches_between_drafting_trees_as_regimes_change():
+    """In long regimes what the last steps accepted predicts the next step, once the conservative tree
+    drafts something to be accepted. (It lags a regime change by a few steps, which the entropy of the
+    accepted tokens does not: in short regimes it gains nothing, as the test above finds.)"""
+    from entmtp_ray.calibrate.sweep import choose_policies
+    from entmtp_ray.decode.tree import make_topology
+
+    rollouts = regime_rollouts(10, 1, stretch=(60, 150), length=600)
+    trees = {"n1": make_topology([], "n1"), "n2": make_topology([(0,)], "n2"),
+             "n4": make_topology([(0,), (0, 0), (0, 0, 0)], "n4")}
+    cost = {"n1": 1.0, "n2": 1.2, "n4": 1.6}
+    params, figures = choose_policies(rollouts, trees, cost, 0.0, ["n1", "n2", "n4"], beta=0.5)
+    accepted = params.signals["accepted"]
+    assert (accepted.conservative, accepted.aggressive) == ("n2", "n4") and accepted.gain > 0.05
+    assert accepted.tau_on < accepted.tau_off < 0  # negated accepted lengths
+    assert accepted.gain == figures["signals"]["accepted"]["gain"]

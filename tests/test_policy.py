@@ -31,6 +31,21 @@ def test_entropy_signal_is_an_ema_over_accepted_tokens():
         make_signal("vibes")
 
 
+def test_the_accepted_signal_is_an_ema_of_negated_accepted_lengths_and_reads_no_verifier_statistic():
+    signal = make_signal("accepted", beta=0.5, initial=-2.0)
+    assert signal.stat == "accepted"
+    assert signal.update(Step(accepted_length=4, entropy=(), top1_prob=())) == pytest.approx(-3.0)
+    policy = HysteresisPolicy("t", "small", "big", tau_on=-2.5, tau_off=-1.5,
+                              signal=make_signal("accepted", beta=0.0, initial=-2.0))
+    assert policy.signal_stat == "accepted"
+    trail = []
+    for length in [1, 3, 3, 2, 1, 1]:
+        policy.observe(Step(accepted_length=length, entropy=(), top1_prob=()))
+        trail.append(policy.choose())
+    # s = -length: -1 (conservative), -3 (<= -2.5: aggressive), -3, -2 (between: stays), -1 (>= -1.5: back), -1
+    assert trail == ["small", "big", "big", "big", "small", "small"]
+
+
 def test_hysteresis_never_flips_on_a_signal_between_the_thresholds():
     rng = random.Random(0)
     for start in (False, True):

@@ -56,6 +56,8 @@ class SignalParams(BaseModel):
     aggressive: str = Field(..., description="entmtp-tau: tree while the signal is low")
     tau_on: float = Field(..., description="go aggressive once the signal <= tau_on")
     tau_off: float = Field(..., description="go conservative once the signal >= tau_off")
+    gain: float | None = Field(None, description="replayed tokens/s of entmtp-tau with this signal over the star "
+                               "tree's, less 1, on the calibration rollouts (0: switching gains nothing here)")
 
     @model_validator(mode="after")
     def _consistent(self):

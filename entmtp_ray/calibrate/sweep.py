@@ -10,7 +10,7 @@ from itertools import combinations
 
 from entmtp_ray.calibrate.bank import PolicyParams, SignalParams
 from entmtp_ray.calibrate.growth import Replay, ReplayStep, accepted_lengths, replay
-from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
+from entmtp_ray.decode.policy import SIGNALS, VERIFIER_STATS, FixedTree, HysteresisPolicy, LadderPolicy, make_signal
 from entmtp_ray.decode.tree import Topology, TreePath, make_topology
 
 CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
@@ -39,10 +39,23 @@ def replay_all(rollouts, policy, step_seconds: dict[str, float], prefill_seconds
     return total
 
 
-def signal_quantiles(rollouts, name: str, beta: float) -> list[float]:
-    """Quantiles of the EMA signal as a fixed policy would see it over the calibration rollouts."""
+def signal_quantiles(rollouts, name: str, beta: float, lengths: list[dict[str, list[int]]] | None = None,
+                     trees: list[str] = ()) -> list[float]:
+    """Quantiles of the EMA signal as a fixed policy would see it over the calibration rollouts: a verifier
+    signal after every rollout token; the `accepted` signal after every step of each of `trees` (`lengths`:
+    growth.accepted_lengths per rollout), pooled, since what it observes depends on the tree (a one-node tree
+    always accepts 1) and a switching policy reads it under its small and its large tree."""
     signal, values = make_signal(name, beta, 0.0), []
-    for r in rollouts:
+    for k, r in enumerate(rollouts):
+        if signal.stat not in VERIFIER_STATS:
+            for tree in trees:
+                signal.reset()
+                i, end = 0, len(r.rows)
+                while i + 1 < end:
+                    a = lengths[k][tree][i]
+                    values.append(signal.update(ReplayStep(tree, min(a, end - 1 - i), [], [])))
+                    i += a
+            continue
         signal.reset()
         for i in range(len(r.rows)):
             values.append(signal.update(ReplayStep("", 1, [r.entropy[i]], [r.top1[i]])))
@@ -66,10 +79,11 @@ def choose_policies(rollouts, trees: dict[str, Topology], step_seconds: dict[str
     star = max(frontier, key=lambda n: (fixed[n], -trees[n].num_nodes))
     best_trees = sorted(frontier, key=lambda n: -fixed[n])[:top]
     by_size = sorted(best_trees, key=lambda n: -trees[n].num_nodes)  # most aggressive first
+    drafting = [n for n in by_size if trees[n].num_nodes > 1] or by_size  # a one-node tree's steps all accept 1
     figures = {"fixed_tokens_per_s": fixed, "signals": {}}
     signals = {}
-    for name in ("entropy", "top1", "path"):
-        qs = signal_quantiles(rollouts, name, beta)
+    for name in SIGNALS:
+        qs = signal_quantiles(rollouts, name, beta, lengths, drafting)
         initial = qs[len(qs) // 2]
         # hysteresis: (conservative, aggressive) with the aggressive tree at least as large; the
         # pair (star, star) is the static tree, so the sweep never does worse than entmtp-star
@@ -91,10 +105,12 @@ def choose_policies(rollouts, trees: dict[str, Topology], step_seconds: dict[str
                 if r > best_ladder[0]:
                     best_ladder = (r, (list(triple), [low, high]))
         small, big, on, off = best_tau[1]
+        gain = best_tau[0] / fixed[star] - 1.0
         signals[name] = SignalParams(initial=initial, ladder_trees=best_ladder[1][0],
                                      ladder_thresholds=best_ladder[1][1], conservative=small, aggressive=big,
-                                     tau_on=on, tau_off=off)
+                                     tau_on=on, tau_off=off, gain=gain)
         figures["signals"][name] = {"quantiles": qs, "tau_tokens_per_s": best_tau[0],
-                                    "ladder_tokens_per_s": best_ladder[0]}
+                                    "ladder_tokens_per_s": best_ladder[0], "gain": gain}
+    # the signal whose switching gains most; where none gains, its pair is the star twice and reads no signal
     default = max(signals, key=lambda n: figures["signals"][n]["tau_tokens_per_s"])
     return PolicyParams(star=star, signal=default, beta=beta, signals=signals), figures

@@ -23,7 +23,7 @@ from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan, Projection, prepare
 from entmtp_ray.model.loading import LoadedModel
-from entmtp_ray.decode.policy import Policy, Signal, make_signal
+from entmtp_ray.decode.policy import VERIFIER_STATS, Policy, Signal, make_signal
 from entmtp_ray.decode.static import STATIC_CAPACITY, StaticKVCache, TreeVerifier
 from entmtp_ray.decode.stop import StopStrings
 from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_topology, load_topology
@@ -240,6 +240,12 @@ class Request:
     steps: list[StepTrace] = field(default_factory=list)
     schedule_s: float = 0.0
 
+    @property
+    def logits_stat(self) -> str | None:
+        """The verifier statistic each step computes for the traced signal (None: none, or one that needs none)."""
+        stat = self.tracer.stat if self.tracer is not None else None
+        return stat if stat in VERIFIER_STATS else None
+
 
 @dataclass
 class Verified:
@@ -430,7 +436,7 @@ class SpecDecoder:
         the residual's sample is a second one. A last node without logits (a leaf, unless the buffers have
         leaf logits) costs one more."""
         cfg, buffers, tokens = request.cfg, verified.buffers, verified.tokens
-        stat = request.tracer.stat if request.tracer is not None else None
+        stat = request.logits_stat
         scored = verified.logits[:buffers.num_scored]  # [scored, V]
         if buffers.children[0] and cfg.temperature > 0 and cfg.acceptance == "exact":
             # the walk and the residual sample the warped distribution (--top-p/--top-k) at T, given as T=1 logits
@@ -522,7 +528,7 @@ class SpecDecoder:
                 signal: float | None) -> StepTrace:
         """The step's trace, with the verifier statistic the signal reads (only that one), shown to the
         policy and, when the decoder owns it, to the traced signal."""
-        stat = request.tracer.stat if request.tracer is not None else None
+        stat = request.logits_stat
         entropy = accepted.stats if stat == "entropy" else []
         top1 = accepted.stats if stat == "top1" else []
         trace = StepTrace(verified.buffers.topology.name, verified.buffers.num_nodes, emitted, entropy, top1, signal,

@@ -26,8 +26,9 @@ class StepView(Protocol):
 
 class Policy(Protocol):
     name: str
-    # the verifier statistic observe() reads ("entropy" or "top1"), None when it reads none; the
-    # decoder computes only that one, so a policy with nothing to switch costs what a fixed tree does
+    # the statistic observe() reads ("entropy" or "top1", which the decoder computes, or "accepted"), None when
+    # it reads none; the decoder computes only that one, so a policy with nothing to switch costs what a fixed
+    # tree does
     signal_stat: str | None
 
     def trees(self) -> list[Topology]: ...
@@ -63,10 +64,15 @@ class FixedTree:
 
 # ---- scheduling signals (oriented as uncertainty: lower = more confident) -----------------------
 
+VERIFIER_STATS = ("entropy", "top1")  # the signals' statistics the decoder computes from the verifier's logits
+
+
 class Signal:
     """A running estimate updated after every step: s <- beta*s + (1-beta)*x for each observation x."""
 
-    stat = "entropy"  # the StepView field its observations come from: "entropy" or "top1"
+    # the StepView field its observations come from: "entropy" or "top1" (VERIFIER_STATS, which the decoder
+    # computes for it), or "accepted" (the step's accepted length, which costs nothing)
+    stat = "entropy"
 
     def __init__(self, beta: float, initial: float):
         if not 0.0 <= beta < 1.0:
@@ -115,7 +121,18 @@ class PathSignal(Signal):
         return [1.0 - value]
 
 
-SIGNALS = {"entropy": EntropySignal, "top1": Top1Signal, "path": PathSignal}
+class AcceptedSignal(Signal):
+    """The accepted lengths themselves, negated (lower = more confident, as every signal): one observation per
+    step, -accepted_length. What drafting achieved lately predicts the next step (docs/design.md §3), and it
+    needs no verifier statistic."""
+
+    stat = "accepted"
+
+    def observations(self, step: StepView) -> list[float]:
+        return [-float(step.accepted_length)]
+
+
+SIGNALS = {"entropy": EntropySignal, "top1": Top1Signal, "path": PathSignal, "accepted": AcceptedSignal}
 
 
 def make_signal(name: str, beta: float = 0.9, initial: float = 0.0) -> Signal:
