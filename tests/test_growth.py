@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -138,3 +139,56 @@ def test_the_accepted_signal_switches_between_drafting_trees_as_regimes_change()
     assert (accepted.conservative, accepted.aggressive) == ("n2", "n4") and accepted.gain > 0.05
     assert accepted.tau_on < accepted.tau_off < 0  # negated accepted lengths
     assert accepted.gain == figures["signals"]["accepted"]["gain"]
+
+
+def test_signal_power_reads_each_signal_before_each_step_of_the_replayed_tree():
+    """signal_trace by hand: the values each signal held before the steps it is set against, and the steps'
+    accepted lengths (the first step left out, as every signal starts from its initial value there)."""
+    from entmtp_ray.calibrate.predict import signal_trace
+    from entmtp_ray.calibrate.rollouts import Rollout
+    from entmtp_ray.decode.tree import make_topology
+
+    chain = make_topology([(0,), (0, 0)], "chain")
+    rollout = Rollout(rows=[[0, 0], [0, 5], [-1], [0, 0], [0], [0]], entropy=[0.1, 0.2, 3.0, 3.0, 0.1, 0.1],
+                      top1=[0.9] * 6)
+    values, lengths = signal_trace(rollout, chain, beta=0.0, names=("entropy", "accepted"), skip=1)
+    # steps: root 0 accepts 3 (tokens 0-2 seen), root 3 accepts 2 (tokens 3-4), root 5 is the rollout's end
+    assert lengths == [2]
+    assert values == {"entropy": [3.0], "accepted": [-3.0]}  # beta 0: the last observation of step one
+    values, lengths = signal_trace(rollout, chain, beta=0.0, skip=0)
+    assert lengths == [3, 2] and values["entropy"] == [0.0, 3.0]
+
+
+def test_signal_power_finds_the_entropy_that_predicts_and_the_accepted_lengths_that_lag():
+    """On regimes of 10-30 tokens the entropy of the accepted tokens separates the steps that will accept
+    much from those that will not; on regimes of 60-150 tokens the accepted lengths do too."""
+    from entmtp_ray.calibrate.predict import power_table, signal_power
+    from entmtp_ray.decode.tree import make_topology
+
+    chain = make_topology([(0,), (0, 0), (0, 0, 0)], "n4")
+    short = signal_power(regime_rollouts(20, 0), chain, beta=0.5)
+    assert short["entropy"]["pearson"] < -0.5
+    taus = short["entropy"]["tau_by_quintile"]
+    assert taus[0] > 2.5 > 1.5 > taus[-1] and len(taus) == 5
+    long = signal_power(regime_rollouts(10, 1, stretch=(60, 150), length=600), chain, beta=0.5)
+    assert long["accepted"]["pearson"] < -0.5 and long["accepted"]["pearson"] < short["accepted"]["pearson"]
+    table = power_table(short)
+    assert table.splitlines()[0].startswith("| signal | steps | Pearson r | tau Q1") and "| accepted |" in table
+
+
+def test_the_signal_power_job_on_held_out_prompts(tiny_model_dirs, tmp_path, capsys):
+    from entmtp_ray.jobs.signal_power import main
+
+    model_dir, heads_dir = tiny_model_dirs
+    args = ["--task", "humaneval", "--prompts", "2", "--max-new-tokens", "12", "--model", str(model_dir),
+            "--heads", str(heads_dir), "--threads", "1", "--work", str(tmp_path / "work"),
+            "--output", str(tmp_path / "power.json")]
+    assert main(args) == 0
+    power = json.loads((tmp_path / "power.json").read_text())
+    assert power["prompts"] == 2 and power["tree"] == "hydra" and set(power["signals"]) == {"entropy", "top1",
+                                                                                              "path", "accepted"}
+    assert "| entropy |" in capsys.readouterr().out
+    cached = (tmp_path / "work" / "rollouts-12.jsonl").read_text().splitlines()
+    assert len(cached) == 2
+    assert main(args) == 0  # from the cache: nothing decoded again
+    assert (tmp_path / "work" / "rollouts-12.jsonl").read_text().splitlines() == cached

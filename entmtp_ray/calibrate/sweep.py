@@ -1,5 +1,5 @@
 """The bank's candidate trees and the policy sweep: deterministic arithmetic over measured rollouts,
-rank tables and step times (the measuring lives in entmtp_ray/jobs/build_bank.py). Each policy is
+rank tables and step times (the measuring lives in pipeline/calibration.py). Each policy is
 replayed over every calibration rollout without the model (calibrate/growth.py's replay); the highest
 replayed tokens/s wins. See docs/design.md §6.
 """

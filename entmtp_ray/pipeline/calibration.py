@@ -1,0 +1,150 @@
+"""A topology bank from greedy calibration rollouts, on the hardware at hand: the stages after the rollouts,
+shared by jobs/build_bank.py (rollouts on a Ray actor pool) and any caller that decoded its own. The
+measuring and deciding live in calibrate/; this module runs them with an engine.
+
+1. One teacher-forced pass per rollout ranks every true next token under the head that would draft it
+   (calibrate/rollouts.py).
+2. Greedy tree growth (Algorithm 1, calibrate/growth.py) to the node budget; candidates at a ladder of sizes.
+3. Each candidate's step time measured here, with the process's thread count, side by side per timing prompt
+   (every tree back to back, rotated); its tokens/s and accepted length are the exact greedy replay of the
+   calibration rollouts with its own tree.
+4. Pareto frontier over (nodes, accepted length), then the sweeps that choose entmtp-star, the ladder and the
+   hysteresis pair per signal (calibrate/sweep.py). Stages 1 and 3 are saved under `work` and resume.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from entmtp_ray.assets import asset
+from entmtp_ray.calibrate.bank import Bank, BankTree, current_hardware
+from entmtp_ray.calibrate.growth import AcceptanceTable, accepted_lengths, grow_trees, pareto_frontier
+from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout
+from entmtp_ray.calibrate.sweep import candidate_trees, choose_policies, replay_all
+from entmtp_ray.config import DecodingConfig
+from entmtp_ray.decode.loop import row_generator
+from entmtp_ray.decode.policy import FixedTree
+from entmtp_ray.decode.tree import Topology
+from entmtp_ray.pipeline.engine import Engine
+
+MAX_RANKS = (16, 8, 8, 8, 8)  # ranks kept per depth; a tree never needs more children than these
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    """One calibration rollout: the prompt as the engine encodes it, and the greedy output decoded from it."""
+
+    id: str
+    prompt: object  # a user message, or a list of chat turns
+    output_token_ids: list[int]
+
+
+def measure_tables(engine: Engine, rows: list[CalibrationRow], work: Path) -> list[Rollout]:
+    """Each rollout's rank table and verifier statistics (stage 1), in id order; cached in work/tables.json."""
+    cache = work / "tables.json"
+    if cache.is_file():
+        return [Rollout(**r) for r in json.loads(cache.read_text())]
+    measured = []
+    for row in sorted(rows, key=lambda r: r.id):
+        if not row.output_token_ids:
+            continue
+        ids = engine.encode(row.prompt)
+        measured.append(measure_rollout(engine.decoder, ids + list(row.output_token_ids), len(ids), MAX_RANKS))
+    cache.write_text(json.dumps([r.__dict__ for r in measured]))
+    return measured
+
+
+def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str], new_tokens: int,
+                 work: Path) -> tuple[dict[str, float], float]:
+    """Seconds per decoding step of each tree (median over prompts), and mean prefill seconds.
+
+    The trees are timed side by side: each prompt runs every tree back to back, in an order rotated
+    per prompt, so a machine that slows down during the timing slows every tree alike (timed one
+    tree after another, a 1-node tree once measured slower than a 5-node one). Each finished prompt
+    is saved, so a stopped build resumes within the timing.
+    """
+    cache = work / "step_seconds.json"
+    saved = json.loads(cache.read_text()) if cache.is_file() else {}
+    prefill = saved.get("prefill", [])
+    if set(trees) <= set(saved.get("steps", {})):  # a finished timing
+        return {name: saved["steps"][name] for name in trees}, sum(prefill) / len(prefill)
+    cfg = DecodingConfig(policy="fixed", tree="ar", max_new_tokens=new_tokens)
+    decoders = {}
+    for name, topology in trees.items():
+        decoders[name] = engine.stack.decoder(FixedTree(name, topology))
+        decoders[name].generate(engine.encode(prompts[0]), cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
+    names = list(trees)
+    rounds: list[dict[str, float]] = saved.get("rounds", [])  # per prompt: tree -> seconds per step
+    for k, prompt in enumerate(prompts):
+        if k == len(rounds):
+            rounds.append({})
+        ids = engine.encode(prompt)
+        for name in names[k % len(names):] + names[: k % len(names)]:
+            if name not in rounds[k]:
+                result = decoders[name].generate(ids, cfg, row_generator(0, str(k), engine.loaded.device))
+                rounds[k][name] = result.decode_s / max(1, len(result.steps))
+                prefill.append(result.prefill_s)
+        cache.write_text(json.dumps({"rounds": rounds, "prefill": prefill}))
+    steps = {}
+    for name in names:
+        steps[name] = statistics.median_high(r[name] for r in rounds[: len(prompts)])
+        print(f"  {name}: {1000 * steps[name]:.1f} ms/step", file=sys.stderr)
+    cache.write_text(json.dumps({"rounds": rounds, "prefill": prefill, "steps": steps}))
+    return steps, sum(prefill) / len(prefill)
+
+
+def project_relative(path: str) -> str:
+    """Shipped heads as the package's assets name them (banks ship; absolute paths do not travel)."""
+    try:
+        return str(Path(path).resolve().relative_to(asset().resolve()))
+    except ValueError:
+        return str(path)
+
+
+@dataclass
+class Built:
+    bank: Bank
+    stats: dict[str, dict]  # tree name -> tau, tokens_per_s, tau_grown (every candidate)
+    frontier: list[str]
+    figures: dict  # the sweep's
+
+
+def build_bank(engine: Engine, rows: list[CalibrationRow], timing_prompts: list, work: Path, *, name: str, budget: int,
+               max_new_tokens: int, calibration: dict) -> Built:
+    """The bank named `name` from calibration rollouts `rows`, timing the candidate trees on `timing_prompts`
+    with `engine` (its model, heads and dtype; this process's threads). `calibration` goes into the bank as it
+    is, with the prompt and position counts added."""
+    work.mkdir(parents=True, exist_ok=True)
+    measured = measure_tables(engine, rows, work)
+    if not measured:
+        raise ValueError("no calibration rollout produced any token; a bank needs at least one")
+    depth = engine.decoder.drafter.max_depth
+    table = AcceptanceTable((row for r in measured for row in r.rows), max_depth=depth)
+    grown = grow_trees(table, budget, max_depth=depth)
+    trees = candidate_trees(grown, budget, name)
+    seconds, prefill = step_seconds(engine, trees, timing_prompts, min(64, max_new_tokens), work)
+
+    stats = {}
+    lengths = [accepted_lengths(r.rows, trees.values()) for r in measured]  # every tree's replay, for the sweep
+    for tree_name, tree in trees.items():
+        r = replay_all(measured, FixedTree(tree_name, tree), seconds, prefill * len(measured), lengths)
+        stats[tree_name] = {"tau": r.tau, "tokens_per_s": r.tokens_per_s,
+                            "tau_grown": table.accepted_length(tree.paths)}
+    names = list(trees)
+    frontier = [names[i] for i in pareto_frontier([(trees[n].num_nodes, stats[n]["tau"]) for n in names])]
+    policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier, lengths=lengths)
+    bank = Bank(
+        model=Path(engine.model_cfg.model).name, heads=project_relative(engine.heads_label), task=name,
+        hardware=current_hardware(engine.loaded.device, engine.loaded.dtype),
+        calibration={**calibration, "prompts": len(measured), "max_new_tokens": max_new_tokens,
+                     "positions": table.rows},
+        created=datetime.date.today().isoformat(),
+        trees=[BankTree.of(trees[n], **stats[n]) for n in frontier],
+        policy=policy)
+    (work / "sweep.json").write_text(json.dumps(figures, indent=1))
+    return Built(bank, stats, frontier, figures)
