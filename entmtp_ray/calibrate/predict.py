@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from entmtp_ray.calibrate.growth import ReplayStep, accepted_length
+from entmtp_ray.calibrate.growth import replay
 from entmtp_ray.calibrate.rollouts import Rollout
 from entmtp_ray.decode.policy import SIGNALS, make_signal
 from entmtp_ray.decode.tree import Topology
@@ -20,25 +20,41 @@ from entmtp_ray.decode.tree import Topology
 QUINTILES = 5
 
 
+class _Recorder:
+    """A fixed tree (a policy for growth.replay) that reads every signal before each step and updates them
+    all after it."""
+
+    signal_stat = None
+
+    def __init__(self, tree: Topology, signals: dict):
+        self.tree, self.signals = tree, signals
+        self.values: dict[str, list[float]] = {name: [] for name in signals}
+        self.lengths: list[int] = []
+
+    def trees(self) -> list[Topology]:
+        return [self.tree]
+
+    def reset(self) -> None:
+        for signal in self.signals.values():
+            signal.reset()
+
+    def choose(self) -> Topology:
+        return self.tree
+
+    def observe(self, step) -> None:
+        for name, signal in self.signals.items():
+            self.values[name].append(signal.value)
+            signal.update(step)
+        self.lengths.append(step.accepted_length)
+
+
 def signal_trace(rollout: Rollout, tree: Topology, beta: float, names: Iterable[str] = tuple(SIGNALS),
                  skip: int = 1) -> tuple[dict[str, list[float]], list[int]]:
     """({signal: its value before each step}, [each step's accepted length]) of `tree` replayed over one
-    rollout; the first `skip` steps are left out (every signal starts from its initial value)."""
-    signals = {name: make_signal(name, beta, 0.0) for name in names}
-    values: dict[str, list[float]] = {name: [] for name in signals}
-    lengths: list[int] = []
-    i, step, end = 0, 0, len(rollout.rows)
-    while i + 1 < end:  # rollout token i is the root; the prefill emitted token 0
-        a = min(accepted_length(rollout.rows[i], tree), end - 1 - i)
-        if step >= skip:
-            for name, signal in signals.items():
-                values[name].append(signal.value)
-            lengths.append(a)
-        seen = ReplayStep(tree.name, a, list(rollout.entropy[i: i + a]), list(rollout.top1[i: i + a]))
-        for signal in signals.values():
-            signal.update(seen)
-        i, step = i + a, step + 1
-    return values, lengths
+    rollout (growth.replay); the first `skip` steps are left out (every signal starts from its initial value)."""
+    recorder = _Recorder(tree, {name: make_signal(name, beta, 0.0) for name in names})
+    replay(rollout.rows, rollout.entropy, rollout.top1, recorder, {tree.name: 0.0})
+    return {name: v[skip:] for name, v in recorder.values.items()}, recorder.lengths[skip:]
 
 
 def signal_power(rollouts: Iterable[Rollout], tree: Topology, beta: float = 0.9) -> dict[str, dict]:

@@ -44,14 +44,13 @@ def finished_keys(output: str | Location) -> pa.Array:
     files = readable_files(location)
     if not files:
         return pa.array([], pa.string())
-    return pc.unique(_keys(pads.dataset(files, filesystem=location.filesystem, format="parquet")).combine_chunks())
-
-
-def _keys(dataset: pads.Dataset, batch: pa.RecordBatch | None = None) -> pa.Array:
-    """The sample keys of `batch` (or of the whole dataset); an output written before --n has no sample_index."""
+    dataset = pads.dataset(files, filesystem=location.filesystem, format="parquet")
     has_index = "sample_index" in dataset.schema.names
-    if batch is None:
-        batch = dataset.to_table(columns=["id", "sample_index"] if has_index else ["id"])
+    return pc.unique(_keys(dataset.to_table(columns=["id", "sample_index"] if has_index else ["id"]), has_index))
+
+
+def _keys(batch: pa.Table | pa.RecordBatch, has_index: bool) -> pa.Array:
+    """The sample keys of `batch`; an output written before --n has no sample_index."""
     return output_keys(batch.column("id"), batch.column("sample_index") if has_index else None)
 
 
@@ -69,19 +68,19 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
         columns = SUMMARY_COLUMNS + [c for c in ("sample_index", "num_accepted_tokens") if c in dataset.schema.names]
         for batch in dataset.to_batches(columns=columns):
             rows += batch.num_rows
-            keys.append(_keys(dataset, batch))
+            keys.append(_keys(batch, "sample_index" in columns))
             ok = batch.filter(pc.is_null(batch.column("error")))
             errors += batch.num_rows - ok.num_rows
             if not ok.num_rows:
                 continue
-            tokens += pc.sum(ok.column("num_output_tokens")).as_py() or 0
-            steps += pc.sum(ok.column("steps")).as_py() or 0
+            batch_tokens = pc.sum(ok.column("num_output_tokens")).as_py() or 0
+            batch_steps = pc.sum(ok.column("steps")).as_py() or 0
+            tokens, steps = tokens + batch_tokens, steps + batch_steps
             nodes += pc.sum(ok.column("verified_nodes")).as_py() or 0
             if "num_accepted_tokens" in columns:
                 accepted += pc.sum(ok.column("num_accepted_tokens")).as_py() or 0
             else:  # each step's tokens but its bonus, each row's but its prefill's
-                accepted += (pc.sum(ok.column("num_output_tokens")).as_py() or 0) - ok.num_rows - \
-                    (pc.sum(ok.column("steps")).as_py() or 0)
+                accepted += batch_tokens - ok.num_rows - batch_steps
             ends = pc.add(ok.column("started_at"), ok.column("total_s"))
             first_start = _min(first_start, pc.min(ok.column("started_at")).as_py())
             last_end = _max(last_end, pc.max(ends).as_py())
