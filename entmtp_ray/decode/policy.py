@@ -123,7 +123,7 @@ class PathSignal(Signal):
 
 class AcceptedSignal(Signal):
     """The accepted lengths themselves, negated (lower = more confident, as every signal): one observation per
-    step, -accepted_length. What drafting achieved lately predicts the next step (docs/design.md §3), and it
+    step, -accepted_length. What drafting achieved lately predicts the next step (docs/design.md §2), and it
     needs no verifier statistic."""
 
     stat = "accepted"
