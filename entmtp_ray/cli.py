@@ -149,10 +149,10 @@ def cmd_eval_heads(args) -> int:
 
 
 def flag_tables() -> str:
-    from entmtp_ray.config import InputConfig, JobConfig, PoolConfig
+    from entmtp_ray.config import CalibrationConfig, InputConfig, JobConfig, PoolConfig
 
     return "\n\n".join(f"**{c.__name__}** ({c.__doc__})\n\n{flag_table(c)}"
-                       for c in (ModelConfig, DecodingConfig, InputConfig, JobConfig, PoolConfig))
+                       for c in (ModelConfig, DecodingConfig, InputConfig, JobConfig, PoolConfig, CalibrationConfig))
 
 
 FLAGS_BEGIN, FLAGS_END = "<!-- flags:begin -->", "<!-- flags:end -->"

@@ -46,14 +46,16 @@ class DecodingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
     policy: str = Field("auto", description="tree-choosing policy. auto: entmtp-tau with the bank for the model "
-                        "and --task (--bank: that one; no task: the model's general bank), else hydra with a warning; "
+                        "and --task (--bank: that one; no task: the model's general bank), else with --bank auto; "
                         "ar (plain autoregressive decoding), hydra, medusa (their default trees), fixed (--tree), or "
                         "entmtp-star, entmtp-ladder, entmtp-tau (read a topology bank: --task or --bank)")
     tree: str | None = Field(None, description="tree for the `fixed` policy: a built-in name or a JSON file")
     task: str | None = Field(None, description="gsm8k | humaneval | sharegpt: the prompts a job reads "
                              "(unless --dataset) and the topology bank the entmtp policies read (the one shipped "
                              "for the model and task)")
-    bank: str | None = Field(None, description="bank file for the entmtp policies instead of the task's shipped one")
+    bank: str | None = Field(None, description="bank file for the entmtp policies instead of the task's shipped one, "
+                             "or `auto`: a job calibrates one on its own prompts on a worker like its actors, "
+                             "cached (--bank-cache; README: auto banks); the default when no bank ships for the model")
     signal: Literal["entropy", "top1", "path", "accepted"] | None = Field(
         None, description="scheduling signal instead of the bank's default (the bank holds settings per signal)")
     trace_signal: bool = Field(
@@ -178,6 +180,19 @@ class JobConfig(BaseModel):
                                "regenerates at most this many rows per writer on --resume")
 
 
+class CalibrationConfig(BaseModel):
+    """How `--bank auto` calibrates: the sample of the job's prompts, the trees' size, and where banks are kept."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
+
+    calibration_prompts: int = Field(32, ge=1, description="job prompts the auto bank is calibrated on (greedy "
+                                     "rollouts; a greedy job writes them as its rows for those prompts)")
+    calibration_budget: int = Field(64, ge=2, description="node budget of the trees the auto bank grows")
+    bank_cache: str | None = Field(None, description="folder (path or URI) of auto banks, keyed by model, heads, "
+                                   "data, hardware, dtype, threads and draft vocabulary. Absent: <output>/_banks and "
+                                   "the user's cache (~/.cache/entmtp_ray/banks, or $ENTMTP_CACHE/banks)")
+
+
 class ProcessorConfig(BaseModel):
     """The generation stage for a user's own Ray Data pipeline (entmtp_ray.build_processor)."""
 
@@ -186,6 +201,7 @@ class ProcessorConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     prompt_column: str = Field("prompt", description="column holding the user message")
     messages_column: str | None = Field(None, description="column of chat turns, instead of prompt_column")
     id_column: str | None = Field(None, description="column of row ids (kept as `id`, and seeding each row's "

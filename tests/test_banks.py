@@ -144,7 +144,7 @@ def test_bank_policy_without_task_or_bank_fails_before_loading():
         preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau", task="nosuchtask"))
 
 
-def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_hydra(tiny_model_dirs, tmp_path, caplog):
+def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_an_auto_bank(tiny_model_dirs, tmp_path):
     from entmtp_ray.assets import shipped_bank
     from entmtp_ray.config import DecodingConfig, ModelConfig
     from entmtp_ray.pipeline.assemble import plan as preflight
@@ -163,10 +163,9 @@ def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_hyd
     model_dir, heads_dir = tiny_model_dirs
     local = ModelConfig(model=str(model_dir), heads=str(heads_dir))
     assert preflight(local, DecodingConfig(bank=str(bank))).decoding.policy == "entmtp-tau"  # --bank: that one
-    with caplog.at_level(logging.WARNING, logger="entmtp_ray.pipeline.assemble"):
-        fallback = preflight(local, DecodingConfig(task="gsm8k"))  # no bank ships for this model
-    assert fallback.decoding.policy == "hydra" and fallback.bank_path is None
-    assert "python jobs/build_bank.py --task gsm8k --model " + str(model_dir) in caplog.text
+    auto = preflight(local, DecodingConfig(task="gsm8k"))  # no bank ships for this model: the job calibrates one
+    assert auto.requested.policy == "entmtp-tau" and auto.requested.bank == "auto" and auto.auto_bank
+    assert auto.decoding.policy == "hydra" and auto.bank_path is None  # until then (or without a job): Hydra's tree
     assert preflight(embedded, DecodingConfig(policy="ar", task="gsm8k")).decoding.policy == "ar"  # asked: kept
 
 

@@ -20,7 +20,8 @@ import time
 from pydantic import ValidationError
 
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
-from entmtp_ray.config import DecodingConfig, InputConfig, JobConfig, ModelConfig, PoolConfig, ProcessorConfig
+from entmtp_ray.config import (CalibrationConfig, DecodingConfig, InputConfig, JobConfig, ModelConfig, PoolConfig,
+                               ProcessorConfig)
 from entmtp_ray.pipeline.dataplane import connect, run_job, shutdown
 from entmtp_ray.pipeline.manifest import check_or_write, run_settings
 from entmtp_ray.pipeline.outputs import check_output
@@ -28,7 +29,7 @@ from entmtp_ray.pipeline.processor import build_processor
 from entmtp_ray.pipeline.sources import Location
 from entmtp_ray.pipeline.tasks import open_prompts, prompt_spec
 
-CONFIGS = (InputConfig, JobConfig, PoolConfig, ModelConfig, DecodingConfig)
+CONFIGS = (InputConfig, JobConfig, PoolConfig, ModelConfig, DecodingConfig, CalibrationConfig)
 
 
 def main(argv=None) -> int:
@@ -41,14 +42,15 @@ def main(argv=None) -> int:
     try:
         source, job, pool = (config_from_args(c, args) for c in (InputConfig, JobConfig, PoolConfig))
         model_cfg, decoding = config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args)
-        processor = build_processor(ProcessorConfig(model=model_cfg, decoding=decoding, pool=pool))
+        processor = build_processor(ProcessorConfig(model=model_cfg, decoding=decoding, pool=pool,
+                                                    calibration=config_from_args(CalibrationConfig, args)))
         location = Location.of(job.output)
         spec = prompt_spec(decoding.task, source.dataset, source.split, source.prompt_column, source.id_column,
                            source.messages_column)
         files = open_prompts(spec)  # lists files (or reaches the hub) and checks columns: no rows read
         connect(job, processor, location)  # joins Ray; nothing is written before its checks pass
         check_output(location, job.resume)
-        settings, sources = run_settings(model_cfg, processor.config.decoding, source, processor.plan.needs_heads,
+        settings, sources = run_settings(model_cfg, processor.plan.requested, source, processor.plan.needs_heads,
                                          processor.plan.bank_path)
         check_or_write(location, settings, job.resume, sources)
     except (ValueError, ValidationError, FileNotFoundError, ConnectionError) as exc:  # ConnectionError: --address
@@ -56,8 +58,7 @@ def main(argv=None) -> int:
         shutdown()  # a local Ray the job started goes with it
         return 2
     summary = run_job(spec, job, processor, source.limit, decoding.seed, started, files)
-    bank = processor.plan.bank_path
-    summary.update(policy=processor.config.decoding.policy, bank=str(bank) if bank else None)  # what ran
+    summary.update(policy=processor.config.decoding.policy, bank=processor.plan.bank_label)  # what ran
     shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
     print(json.dumps(summary), flush=True)
     return 0

@@ -29,15 +29,21 @@ ALL_POLICIES = sorted([AUTO, *POLICIES, *BANK_POLICIES])
 GENERAL_BANK_TASK = "general"
 
 
+AUTO_BANK = "auto"  # --bank auto: calibrated by the job on its own prompts (pipeline/autobank.py)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a decoding config resolves to before any model loads."""
 
-    decoding: DecodingConfig  # with the policy resolved (never `auto`) and, for the general bank, its path
+    requested: DecodingConfig  # the policy resolved (never `auto`), the bank as given (`auto` kept): the manifest's
+    decoding: DecodingConfig  # what runs: as requested, or, for an auto bank not calibrated yet, its fallback
     policy: Policy
     needs_heads: bool  # some tree of the policy drafts
-    bank_path: Path | None  # the bank an entmtp policy reads (None otherwise)
+    bank_path: Path | None  # the bank file an entmtp policy reads (None otherwise, and for a calibrated bank)
     bank: Bank | None
+    bank_label: str | None = None  # where the bank came from, for output rows
+    auto_bank: bool = False  # --bank auto with no calibrated bank yet: `decoding` is the fallback
 
 
 def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
@@ -53,8 +59,8 @@ def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
 
 def resolve_policy(model_cfg: ModelConfig, decoding: DecodingConfig) -> DecodingConfig:
     """`--policy auto` (the default) made concrete: entmtp-tau with --bank, else with the bank shipped for the
-    model and --task, else (no task) with the model's general bank; a model without one decodes with Hydra's
-    tree, and a warning names the command that builds a bank. Other policies come back unchanged."""
+    model and --task, else (no task) with the model's general bank, else with a bank the job calibrates
+    (`--bank auto`). Other policies come back unchanged."""
     if decoding.policy != AUTO:
         return decoding
     if decoding.bank:
@@ -64,31 +70,60 @@ def resolve_policy(model_cfg: ModelConfig, decoding: DecodingConfig) -> Decoding
     if bank.is_file():
         update = {"policy": "entmtp-tau"} if decoding.task else {"policy": "entmtp-tau", "bank": str(bank)}
         return decoding.model_copy(update=update)
-    log.warning("no topology bank ships for --model %s%s, so the default policy falls back to Hydra's tree, which "
-                "may run slower than plain decoding on small hardware; build a bank for this model and hardware "
-                "with `python jobs/build_bank.py --task %s --model %s --out banks/%s.json --work runs/bank` and "
-                "pass --bank banks/%s.json", model_cfg.model, f" and --task {decoding.task}" if decoding.task else "",
-                task, model_cfg.model, task, task)
-    return decoding.model_copy(update={"policy": "hydra"})
+    return decoding.model_copy(update={"policy": "entmtp-tau", "bank": AUTO_BANK})
 
 
-def plan(model_cfg: ModelConfig, decoding: DecodingConfig) -> Plan:
+def fallback_decoding(model_cfg: ModelConfig, decoding: DecodingConfig) -> DecodingConfig:
+    """What an auto bank's policy runs with while there is no calibrated bank (a process that does not calibrate,
+    or a calibration that failed): the bank shipped for the model and --task (no task: its general bank), else
+    Hydra's tree."""
+    shipped = shipped_bank(model_cfg.model, decoding.task or GENERAL_BANK_TASK)
+    if shipped.is_file():
+        policy = decoding.policy if decoding.policy in BANK_POLICIES else "entmtp-tau"
+        return decoding.model_copy(update={"policy": policy, "bank": str(shipped)})
+    return decoding.model_copy(update={"policy": "hydra", "bank": None, "signal": None})
+
+
+def fallback_warning(model_cfg: ModelConfig, decoding: DecodingConfig, why: str) -> str:
+    """The warning for a run of an auto bank's fallback: what runs instead, and how to get a bank."""
+    task = decoding.task or GENERAL_BANK_TASK
+    ran = f"bank {decoding.bank}" if decoding.bank else "Hydra's tree, which may run slower than plain decoding"
+    return (f"--bank auto: {why}, so decoding uses {ran}; calibrate with the generation job (jobs/generate.py "
+            f"--bank auto), or build a bank with `python jobs/build_bank.py --task {task} --model {model_cfg.model} "
+            f"--out banks/{task}.json --work runs/bank` and pass --bank banks/{task}.json")
+
+
+def plan(model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
+         bank_label: str | None = None) -> Plan:
     """Every config check that needs no model: the model's source, policy, bank, tree files, heads directory and
-    depth (hub ids: their JSON files only). Raises ValueError/FileNotFoundError naming the fix."""
+    depth (hub ids: their JSON files only). `bank`: one already in hand (an auto bank the job calibrated), used
+    instead of the file decoding.bank names. Raises ValueError/FileNotFoundError naming the fix."""
     check_model_source(model_cfg.model)
-    decoding = resolve_policy(model_cfg, decoding)
-    bank_path = bank = None
-    if decoding.policy in BANK_POLICIES:
-        bank_path = resolve_bank_path(model_cfg.model, decoding.task, decoding.bank)
-        bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
-    policy = policy_for(decoding, bank)
-    needs_heads = any(t.depth > 0 for t in policy.trees())
+    requested = resolve_policy(model_cfg, decoding)
+    auto = requested.bank == AUTO_BANK and bank is None
+    if requested.bank == AUTO_BANK and requested.policy not in BANK_POLICIES:
+        raise ValueError(f"--bank auto calibrates a bank for the entmtp policies; --policy {requested.policy} reads "
+                         "none: drop --bank or pick an entmtp policy")
+    running = fallback_decoding(model_cfg, requested) if auto else requested
+    bank_path = None
+    depth = available_depth(model_cfg.model, model_cfg.heads) if running.policy in BANK_POLICIES else None
+    if running.policy in BANK_POLICIES and bank is None:
+        bank_path = resolve_bank_path(model_cfg.model, running.task, running.bank)
+        bank = load_bank(bank_path, depth, Path(model_cfg.model).name)
+        bank_label = str(bank_path)
+    elif bank is not None:
+        for tree in bank.trees:
+            make_topology(tree.paths, tree.name, max_depth=depth)  # a bank from other heads names the fix
+    policy = policy_for(running, bank if running.policy in BANK_POLICIES else None)
+    needs_heads = auto or any(t.depth > 0 for t in policy.trees())  # an auto bank's calibration drafts
     if needs_heads:
         depth = available_depth(model_cfg.model, model_cfg.heads)
         for topology in policy.trees():
             make_topology(topology.paths, topology.name, max_depth=depth)
         draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
-    return Plan(decoding, policy, needs_heads, bank_path, bank)
+    if running.policy not in BANK_POLICIES:
+        bank = bank_label = None
+    return Plan(requested, running, policy, needs_heads, bank_path, bank, bank_label, auto)
 
 
 @dataclass
@@ -125,4 +160,4 @@ def warn_if_bank_elsewhere(stack: Stack, resolved: Plan) -> None:
     """A bank measured on other hardware still runs (its trees may just be slower here): warn once."""
     if resolved.bank is not None:
         warn_if_other_hardware(resolved.bank, current_hardware(stack.loaded.device, stack.loaded.dtype),
-                               resolved.bank_path)
+                               resolved.bank_label)

@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import ray
 from ray.data import SaveMode
 from ray.data.block import BlockMetadata
@@ -34,7 +36,8 @@ from entmtp_ray.config import JobConfig, PoolConfig
 from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.outputs import finished_keys, summarize
 from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_mounts, spans_nodes
-from entmtp_ray.pipeline.processor import Processor
+from entmtp_ray.pipeline.autobank import data_identity
+from entmtp_ray.pipeline.processor import Processor, calibration_rows
 from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, output_keys
 from entmtp_ray.pipeline.sources import Location, Source, file_format, file_label, read_file
 from entmtp_ray.pipeline.tasks import PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize
@@ -253,31 +256,78 @@ def shutdown() -> None:
         ray.shutdown()
 
 
+def _job_rows(prompts: PromptSpec | pa.Table, processor: Processor, limit: int | None, seed: int,
+              source: Source | None, tallies: tuple | None = None) -> "ray.data.Dataset":
+    """The job's rows: read, (--limit), one per sample; counted into `tallies` (rows read, samples) when given."""
+    ds = ray.data.from_arrow(prompts) if isinstance(prompts, pa.Table) else read_prompts(prompts, source)
+    if tallies:
+        ds = ds.map_batches(_counted(tallies[0]), batch_format="pyarrow", batch_size=None)
+    if limit is not None:
+        ds = sample(ds, limit, seed)
+    ds = processor.expand(ds)
+    if tallies:
+        ds = ds.map_batches(_counted(tallies[1]), batch_format="pyarrow", batch_size=None)
+    return ds
+
+
+def data_of(prompts: PromptSpec | pa.Table, source: Source | None) -> tuple[str, str] | None:
+    """(label, fingerprint) of the job's input for an auto bank's key: the task, a dataset's files (names and
+    sizes), a hub dataset's id and split; None (the sampled prompts decide) for rows handed over in memory."""
+    if isinstance(prompts, pa.Table):
+        return None
+    if prompts.task:
+        return data_identity(prompts.task)
+    if source is not None:
+        infos = source.filesystem.get_file_info(list(source.files))
+        return data_identity(None, [(source.label(i.path), i.size) for i in infos], prompts.uri)
+    return data_identity(None, dataset=f"{prompts.uri}@{prompts.hub_config or ''}:{prompts.split}")
+
+
+def _write_calibration_rows(location: Location, table: pa.Table) -> None:
+    """The calibration's rollouts as one Parquet file of the output, whole or not at all (a local file appears
+    by a rename from a name readers skip; an object store's put is atomic)."""
+    name = f"calibration-{uuid.uuid4().hex[:16]}.parquet"
+    target = location.child(name)
+    tmp = location.child(f".{name}.tmp") if location.is_local else target
+    location.make()
+    pq.write_table(table, tmp, filesystem=location.filesystem)
+    if tmp != target:
+        location.filesystem.move(tmp, target)
+
+
 def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor, limit: int | None = None,
             seed: int = 123, started: float | None = None, source: Source | None = None) -> dict:
     """Generate for every prompt row (a spec's, streamed; or a small table's) not yet in job.output, write
     them there, and return the run's summary. `started` (unix seconds) is when the job began, for the wall
-    time and the time to first row."""
+    time and the time to first row. An auto bank is calibrated first (Processor.calibrate); a greedy job's
+    calibration rollouts are written as its rows for those prompts, and the pool decodes the rest."""
     start = started or time.time()
     location = Location.of(job.output)
     connect(job, processor, location)
-    tally = RowTally.options(**_on_this_node()).remote()  # the head outlives worker nodes
-    if isinstance(prompts, pa.Table):
-        ds = ray.data.from_arrow(prompts)
-    else:
-        ds = read_prompts(prompts, source)
-    ds = ds.map_batches(_counted(tally), batch_format="pyarrow", batch_size=None)
-    if limit is not None:
-        ds = sample(ds, limit, seed)
-    samples = RowTally.options(**_on_this_node()).remote()
-    ds = processor.expand(ds).map_batches(_counted(samples), batch_format="pyarrow", batch_size=None)
-    if job.resume:
+    tally, samples = (RowTally.options(**_on_this_node()).remote() for _ in range(2))  # the head outlives workers
+    ds = _job_rows(prompts, processor, limit, seed, source, (tally, samples))
+    calibration, skip = None, job.resume
+    if processor.plan.auto_bank:
+        plain = _job_rows(prompts, processor, limit, seed, source)  # uncounted: the sample reads a few blocks
+        if job.resume:
+            plain = plain.map_batches(_drop_finished(finished_keys_task.options(**_on_this_node()).remote(location)[0]),
+                                      batch_format="pyarrow", batch_size=None)
+        auto = processor.calibrate(plain, job.output, data_of(prompts, source))
+        calibration, rows = auto.report, calibration_rows(auto)
+        if rows is not None:
+            _write_calibration_rows(location, rows)
+            calibration["rows_reused"], skip = rows.num_rows, True
+    if skip:
         done, count = finished_keys_task.options(**_on_this_node()).remote(location)
-        log.warning("resume: %d rows already in %s are skipped", ray.get(count), location.uri)
+        if job.resume:
+            log.warning("resume: %d rows already in %s are skipped", ray.get(count), location.uri)
         ds = ds.map_batches(_drop_finished(done), batch_format="pyarrow", batch_size=None)
     processor.decode(ds).write_parquet(location.path, filesystem=location.filesystem,
                                        min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
     read = ray.get(tally.total.remote())
     input_rows = min(read, limit) if limit is not None else read
     expected = ray.get(samples.total.remote())
-    return ray.get(summarize_task.options(**_on_this_node()).remote(location, start, input_rows, expected))
+    summary = ray.get(summarize_task.options(**_on_this_node()).remote(location, start, input_rows, expected))
+    if calibration is not None:
+        summary["calibration"] = calibration
+    return summary

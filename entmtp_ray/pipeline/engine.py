@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.loop import GenerationResult, row_generator
 from entmtp_ray.model.loading import LoadedModel
-from entmtp_ray.pipeline.assemble import load_stack, plan, warn_if_bank_elsewhere
+from entmtp_ray.calibrate.bank import Bank
+from entmtp_ray.pipeline.assemble import Stack, fallback_warning, load_stack, plan, warn_if_bank_elsewhere
 from entmtp_ray.pipeline.records import RowContext, error_row, result_row
 from entmtp_ray.pipeline.sampling import explain, row_decoding, sample_key
 
@@ -56,14 +57,22 @@ def encode_checked(loaded: LoadedModel, prompt, max_input_tokens: int) -> list[i
 
 
 class Engine:
-    def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig):
+    """`bank`: a bank in hand (a calibrated auto bank, from `bank_label`) instead of the file decoding.bank names;
+    `stack`: a loaded model (and heads) to share with another engine of the same model_cfg."""
+
+    def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
+                 bank_label: str | None = None, stack: Stack | None = None):
         self.model_cfg = model_cfg
-        resolved = plan(model_cfg, decoding)
+        resolved = plan(model_cfg, decoding, bank, bank_label)
+        if resolved.auto_bank:
+            log.warning(fallback_warning(model_cfg, resolved.decoding, "this process calibrates no bank"))
         self.decoding = resolved.decoding  # the policy that runs, never `auto`
-        self.stack = load_stack(model_cfg, resolved.needs_heads)
+        if stack is not None and resolved.needs_heads and stack.drafter is None:
+            raise ValueError("the shared model was loaded without heads, which this policy drafts with")
+        self.stack = stack or load_stack(model_cfg, resolved.needs_heads)
         self.loaded = self.stack.loaded
         self.decoder = self.stack.decoder(resolved.policy)
-        self.bank_label = str(resolved.bank_path) if resolved.bank_path else None
+        self.bank_label = resolved.bank_label
         warn_if_bank_elsewhere(self.stack, resolved)
         self.actor_id: str | None = None  # set by the Ray actor that owns this engine
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from entmtp_ray.config import DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.hub import snapshot_label
 from entmtp_ray.model.loading import UNTRAINED_HEADS, resolve_heads_path
+from entmtp_ray.pipeline.assemble import AUTO_BANK
 from entmtp_ray.pipeline.sources import Location
 
 MANIFEST = "_manifest.json"
@@ -45,26 +46,31 @@ def _version() -> str:
         return "unknown"
 
 
+def heads_identity(model_cfg: ModelConfig) -> tuple[str, str]:
+    """(where the heads are read from, what identifies their content): a hub snapshot's `owner/name@commit` for
+    both, else the folder and its content hash; `untrained` for random heads."""
+    if model_cfg.heads == UNTRAINED_HEADS:
+        return UNTRAINED_HEADS, UNTRAINED_HEADS
+    folder = resolve_heads_path(model_cfg.model, model_cfg.heads, config_only=True)
+    label = snapshot_label(folder)
+    return (label, label) if label else (str(folder), content_hash(folder))
+
+
 def run_settings(model_cfg: ModelConfig, decoding: DecodingConfig, source: InputConfig | None,
                  needs_heads: bool, bank_path: Path | None) -> tuple[dict, dict]:
     """(settings, sources): everything an output row depends on, as JSON values compared field by field on
     --resume (heads and bank by content, so a moved checkout still resumes; heads from the hub by their
     `owner/name@commit`, since the driver holds only their configs), and where heads and bank were read
     from, for people."""
-    heads_path = heads_id = None
-    if needs_heads:
-        heads_path = heads_id = UNTRAINED_HEADS
-        if model_cfg.heads != UNTRAINED_HEADS:
-            folder = resolve_heads_path(model_cfg.model, model_cfg.heads, config_only=True)
-            label = snapshot_label(folder)
-            heads_path, heads_id = (label, label) if label else (str(folder), content_hash(folder))
+    heads_path, heads_id = heads_identity(model_cfg) if needs_heads else (None, None)
+    auto = decoding.bank == AUTO_BANK  # calibrated by the run: the key of its cache names what it depends on
     settings = {"model": model_cfg.model_dump(exclude={"heads"}),
                 "heads_sha256": heads_id,
-                "bank_sha256": content_hash(bank_path) if bank_path else None,
+                "bank_sha256": AUTO_BANK if auto else content_hash(bank_path) if bank_path else None,
                 "decoding": decoding.model_dump(exclude={"bank"})}
     if source is not None:
         settings["input"] = source.model_dump(exclude=RESUMABLE_INPUT)
-    return settings, {"heads": heads_path, "bank": str(bank_path) if bank_path else None}
+    return settings, {"heads": heads_path, "bank": AUTO_BANK if auto else str(bank_path) if bank_path else None}
 
 
 def manifest(settings: dict, sources: dict) -> dict:

@@ -18,15 +18,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
+from entmtp_ray.calibrate.bank import Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig, ProcessorConfig
 from entmtp_ray.model.loading import cuda_problem
-from entmtp_ray.pipeline.assemble import plan
+from entmtp_ray.pipeline.assemble import fallback_warning, plan
+from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
+                                          data_identity, find_cached, key_name, probe_hardware, store)
 from entmtp_ray.pipeline.engine import EngineBroken
 from entmtp_ray.pipeline.placement import ActorPlacement, check_device, place_actors
 from entmtp_ray.pipeline.records import output_table
@@ -48,7 +52,8 @@ FAULT_KIND_ENV = "ENTMTP_FAULT_KIND"
 class GenerateActor:
     """Callable class for map_batches: loads model, heads and policy once, then decodes row by row."""
 
-    def __init__(self, model_cfg: dict, decoding: dict, threads: int):
+    def __init__(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None = None,
+                 bank_label: str | None = None):
         import torch
 
         from entmtp_ray.pipeline.engine import Engine
@@ -56,7 +61,8 @@ class GenerateActor:
         if model_cfg["device"] == "cuda":
             check_assigned_gpu()
         torch.set_num_threads(max(1, threads))
-        self.engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding))
+        calibrated = Bank.model_validate_json(bank) if bank else None  # an auto bank, as the job calibrated it
+        self.engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding), calibrated, bank_label)
         self.engine.actor_id = ray.get_runtime_context().get_actor_id()
         self.engine.warm_up()
 
@@ -103,8 +109,10 @@ class Processor:
 
     def __init__(self, config: ProcessorConfig):
         self.plan = plan(config.model, config.decoding)  # a broken config fails here, before any work
-        # the actors, rows and manifest see the policy that runs (`auto` resolved once, here)
+        # the actors and rows see the policy that runs (`auto` resolved once, here; an auto bank's fallback until
+        # `calibrate` gives the bank), the manifest the one asked for (plan.requested)
         self.config = config.model_copy(update={"decoding": self.plan.decoding})
+        self.bank_json: str | None = None  # a calibrated auto bank, for the actors
         check_device(config.model.device, config.pool.gpus_per_actor)
         self.spec = PromptSpec("dataset", None, config.decoding.task, config.prompt_column, config.id_column,
                                config.messages_column)
@@ -128,8 +136,83 @@ class Processor:
         return self.generate(prompts)
 
     def generate(self, prompts: "ray.data.Dataset") -> "ray.data.Dataset":
-        """The stage on rows that already hold the prompt columns (tasks.standardize's output)."""
-        return self.decode(self.expand(prompts))
+        """The stage on rows that already hold the prompt columns (tasks.standardize's output). With an auto bank
+        not yet calibrated, this calibrates it first, on the first rows (`calibrate`)."""
+        samples = self.expand(prompts)
+        if self.plan.auto_bank:
+            self.calibrate(samples)
+        return self.decode(samples)
+
+    # ---- --bank auto ----------------------------------------------------------------------------------
+
+    def calibrate(self, samples: "ray.data.Dataset", output: str | None = None,
+                  data: tuple[str, str] | None = None) -> AutoBank:
+        """Give an auto bank to this stage's actors: the cached one for this key, else one calibrated on the first
+        --calibration-prompts eligible rows of `samples` (expanded rows: no input error, sample 0, no row
+        sampling_params) by a Ray task with an actor's CPUs and GPUs (pipeline/autobank.py). `output`: the job's
+        output, whose `_banks` folder caches it first; `data`: (label, fingerprint) of the job's input (default:
+        the task, else the sampled prompts). A failed calibration leaves the fallback in place, with a warning.
+        Returns the bank, the rollouts a greedy job writes as its rows (with their sample rows), and the report."""
+        started = time.time()
+        calibration, pool, placement = self.config.calibration, self.config.pool, self.place()
+        model = self.config.model.model_dump() | {"device": placement.device}
+        threads = max(1, int(pool.cpus_per_actor))
+        resources = {"num_cpus": pool.cpus_per_actor, "num_gpus": placement.gpus}
+        hardware = ray.get(ray.remote(probe_hardware).options(**resources).remote(model, threads))
+        roots = cache_roots(calibration, output)
+        sample = None
+        if data is None and not self.plan.requested.task:
+            sample = calibration_sample(samples, calibration.calibration_prompts)
+            data = data_identity(None, prompts=sample.select(["id", "prompt", "_messages"]).to_pylist())
+        label, fingerprint = data or data_identity(self.plan.requested.task)
+        key = bank_key(self.config.model, fingerprint, hardware, calibration)
+        name = key_name(key, label)
+        report = {"status": "cached", "key": name, "hardware": f"{hardware.device} x{hardware.threads} "
+                  f"{hardware.dtype}", "prompts": 0, "rows_reused": 0}
+        found = find_cached(roots, name)
+        if found:
+            return self._calibrated(AutoBank(found[0], found[1], report), started)
+        if sample is None:
+            sample = calibration_sample(samples, calibration.calibration_prompts)
+        rows = [{"id": r["id"], "prompt": r["prompt"], "messages": r["_messages"]}
+                for r in sample.select(["id", "prompt", "_messages"]).to_pylist()]
+        report.update(status="built", prompts=len(rows))
+        work = roots[0].sub(name).sub("work")
+        log.warning("--bank auto: calibrating a bank on %d of the job's prompts (%s; stages in %s)", len(rows),
+                    report["hardware"], work.uri)
+        task = ray.remote(calibrate_on_worker).options(**resources, max_retries=1)
+        try:
+            result = ray.get(task.remote(model, self.config.decoding.model_dump(), threads, rows, work.uri,
+                                         f"{label}-auto", calibration.calibration_budget, label))
+        except Exception as exc:  # noqa: BLE001 - a failed calibration falls back, it never ends the job
+            report.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            return self._calibrated(AutoBank(None, None, report), started)
+        report["stage_seconds"] = {k: round(v, 1) for k, v in result["seconds"].items()}
+        auto = AutoBank(None, None, report, result["records"], sample if result["records"] else None)
+        if result["bank"] is None:
+            report.update(status="failed", error=result["error"])
+            return self._calibrated(auto, started)
+        stored = [root for root in roots if store(root, name, result["bank"], key)]
+        auto.bank = Bank.model_validate_json(result["bank"])
+        auto.label = f"{(stored[0] if stored else roots[0]).sub(name).uri}/{BANK_FILE}"
+        return self._calibrated(auto, started)
+
+    def _calibrated(self, auto: AutoBank, started: float) -> AutoBank:
+        """Re-plan with the calibrated bank (or keep the fallback, with a warning) and finish the report."""
+        report = auto.report
+        if auto.bank is not None:
+            self.plan = plan(self.config.model, self.plan.requested, auto.bank, auto.label)
+            self.config = self.config.model_copy(update={"decoding": self.plan.decoding})
+            self.bank_json = auto.bank.model_dump_json()
+            policy = auto.bank.policy
+            report.update(bank=auto.label, star=policy.star, signal=policy.signal,
+                          trees={t.name: t.nodes for t in auto.bank.trees})
+        else:
+            running = self.plan.decoding
+            report["fallback"] = running.bank or running.policy
+            log.warning(fallback_warning(self.config.model, running, f"calibration failed ({report['error']})"))
+        report["seconds"] = round(time.time() - started, 1)
+        return auto
 
     def expand(self, prompts: "ray.data.Dataset") -> "ray.data.Dataset":
         """Prompt rows -> one row per sample, their sampling_params checked (pipeline/sampling.py)."""
@@ -144,13 +227,31 @@ class Processor:
             GenerateActor,
             fn_constructor_kwargs={"model_cfg": self.config.model.model_dump() | {"device": placement.device},
                                    "decoding": self.config.decoding.model_dump(),
-                                   "threads": max(1, int(pool.cpus_per_actor))},
+                                   "threads": max(1, int(pool.cpus_per_actor)),
+                                   "bank": self.bank_json, "bank_label": self.plan.bank_label},
             batch_size=1,
             batch_format="pyarrow",
             compute=ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors),
             num_cpus=pool.cpus_per_actor,
             num_gpus=placement.gpus,
         )
+
+
+def calibration_sample(samples: "ray.data.Dataset", count: int) -> pa.Table:
+    """The first `count` rows of `samples` (expanded rows) that a calibration may decode as the job would: no input
+    error, the first sample of its prompt, no sampling_params of its own. Reads only the first blocks."""
+    rows = samples.take_batch(4 * count, batch_format="pyarrow")  # a few more, for the rows that do not qualify
+    keep = [i for i, (error, index, own) in enumerate(zip(*(rows.column(c).to_pylist() for c in
+            ("_input_error", SAMPLE_INDEX, SAMPLING)))) if not error and index == 0 and not own][:count]
+    return rows.take(pa.array(keep, pa.int64()))
+
+
+def calibration_rows(auto: AutoBank) -> pa.Table | None:
+    """A greedy job's calibration rollouts as its output rows (the sample rows' own columns after them), or None."""
+    if not auto.records:
+        return None
+    passthrough = auto.sample.drop_columns([c for c in ROW_COLUMNS if c in auto.sample.column_names])
+    return output_table(passthrough, auto.records)
 
 
 def build_processor(config: ProcessorConfig | dict | None = None) -> Processor:

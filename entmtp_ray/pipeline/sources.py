@@ -309,6 +309,10 @@ class Location:
     def is_local(self) -> bool:
         return isinstance(self.filesystem, pafs.LocalFileSystem)
 
+    def sub(self, name: str) -> "Location":
+        """The folder `name` inside this one, on the same filesystem."""
+        return Location(f"{self.uri.rstrip('/')}/{name}", self.filesystem, self.child(name))
+
     def child(self, name: str) -> str:
         return f"{self.path}/{name}"
 

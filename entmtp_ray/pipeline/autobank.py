@@ -1,0 +1,244 @@
+"""`--bank auto`: a topology bank calibrated on the job's own prompts, on a worker like the generation actors, and
+cached by everything it depends on. No Ray here: the processor runs `calibrate_on_worker` as a Ray task with the
+actors' resources (pipeline/processor.py), and the job writes the rollouts it returns (pipeline/dataplane.py).
+
+1. `probe_hardware` (on a worker of the actors' kind): the device, dtype, threads and CPU the bank is timed on.
+2. The key: model, chat format, heads (content hash or hub snapshot), the data (task, or the dataset's files),
+   that hardware, the draft vocabulary, the sample size and node budget. A bank under the key in any cache root
+   (`--bank-cache`, else `<output>/_banks` and the user's cache) is used as it is.
+3. Otherwise `calibrate_on_worker`: greedy rollouts of the sampled prompts (AR on a CPU, Hydra's tree on a GPU:
+   greedy output is the same), then pipeline/calibration.build_bank, the code jobs/build_bank.py runs. Every
+   stage is saved under the first root's `<key>/work/` and a calibration stopped midway resumes from there.
+   A greedy job's rollouts are its own output rows for those prompts: the job writes them and decodes the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from entmtp_ray.calibrate.bank import BANK_VERSION, Bank, Hardware, current_hardware
+from entmtp_ray.config import CalibrationConfig, DecodingConfig, ModelConfig
+from entmtp_ray.model.loading import cache_dir, draft_vocab_for, pick_device, pick_dtype
+from entmtp_ray.pipeline.calibration import CalibrationRow, build_bank
+from entmtp_ray.pipeline.manifest import heads_identity
+from entmtp_ray.pipeline.sources import Location
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_TOKENS = 128  # a sampling job's greedy calibration rollouts (its own length when the job is greedy)
+TIMING_PROMPTS = 3  # prompts each candidate tree is timed on, as jobs/build_bank.py
+BANK_FILE = "bank.json"
+ACTOR_LABEL = "calibration"  # the actor_id of output rows the calibration decoded
+
+
+@dataclass
+class AutoBank:
+    """What a calibration gives the job: the bank (None: the fallback runs), where it is cached, the rollouts that
+    are the job's rows, and the summary's `calibration` entry."""
+
+    bank: Bank | None
+    label: str | None
+    report: dict
+    records: list[dict] = field(default_factory=list)  # output rows (OUTPUT_SCHEMA) of the sampled prompts
+    sample: pa.Table | None = None  # the sampled rows the records are of, in order
+
+
+def cache_roots(calibration: CalibrationConfig, output: str | None) -> list[Location]:
+    """Where auto banks are looked up, in order (the first is written first, and holds the stages)."""
+    if calibration.bank_cache:
+        return [Location.of(calibration.bank_cache)]
+    roots = [Location.of(output).sub("_banks")] if output else []
+    return roots + [Location.of(str(cache_dir() / "banks"))]
+
+
+def probe_hardware(model_cfg: dict, threads: int) -> Hardware:
+    """The hardware a bank would be timed on here: run where a generation actor would."""
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+    device = pick_device(model_cfg["device"])
+    return current_hardware(device, pick_dtype(model_cfg["dtype"], device))
+
+
+def data_identity(task: str | None, files: list[tuple[str, int]] | None = None, dataset: str | None = None,
+                  prompts: list | None = None) -> tuple[str, str]:
+    """(a readable label, a fingerprint) of the data a bank is calibrated on: a task's prompts are the task's (any
+    copy of its data); a dataset of files is its files' names and sizes; anything else, the sampled prompts."""
+    if task:
+        return task, f"task:{task}"
+    if files is not None:
+        label = Path(dataset.rstrip("/")).name if dataset else "dataset"
+        return label, "files:" + _digest(sorted(files))
+    if dataset:
+        return Path(dataset.rstrip("/")).name, f"dataset:{dataset}"
+    return "prompts", "prompts:" + _digest(prompts or [])
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def bank_key(model_cfg: ModelConfig, data: str, hardware: Hardware, calibration: CalibrationConfig) -> dict:
+    """Everything an auto bank depends on (compared whole: a bank is reused only for the same key)."""
+    vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
+    return {"version": BANK_VERSION, "model": model_cfg.model, "chat_format": model_cfg.chat_format,
+            "heads": heads_identity(model_cfg)[1], "data": data, "hardware": hardware.model_dump(),
+            "draft_vocab": len(vocab) if vocab else 0, "prompts": calibration.calibration_prompts,
+            "budget": calibration.calibration_budget}
+
+
+def key_name(key: dict, label: str) -> str:
+    """The key's folder name: readable, and unique by the key's hash."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{Path(key['model']).name}-{label}").strip("-")[:60]
+    return f"{readable}-{_digest(key)[:16]}"
+
+
+def find_cached(roots: list[Location], name: str) -> tuple[Bank, str] | None:
+    """The bank cached under `name` in the first root that has it, and its URI; copied into the roots before it
+    (so the output keeps the bank its rows were decoded with, and the label names that copy)."""
+    for k, root in enumerate(roots):
+        folder = root.sub(name)
+        try:
+            if not folder.exists(BANK_FILE):
+                continue
+            text = folder.read_text(BANK_FILE)
+            bank = Bank.model_validate_json(text)
+        except (OSError, ValueError) as exc:  # unreadable: calibrate again
+            log.warning("auto bank %s/%s is unreadable (%s); ignoring it", folder.uri, BANK_FILE, exc)
+            continue
+        copied = [earlier for earlier in roots[:k] if store(earlier, name, text, None)]
+        return bank, f"{(copied[0].sub(name) if copied else folder).uri}/{BANK_FILE}"
+    return None
+
+
+def store(root: Location, name: str, bank_json: str, key: dict | None) -> bool:
+    """Write a bank (and its key, for people) under root/name; False (with a warning) where it cannot be written."""
+    folder = root.sub(name)
+    try:
+        folder.make()
+        if key is not None:
+            folder.write_text("key.json", json.dumps(key, indent=1) + "\n")
+        folder.write_text(BANK_FILE, bank_json)
+        return True
+    except OSError as exc:
+        log.warning("could not cache the auto bank in %s: %s", folder.uri, exc)
+        return False
+
+
+# ---- on the worker ---------------------------------------------------------------------------------
+
+class _Stages:
+    """A calibration's working folder: local files for the stages, mirrored to a folder on any filesystem (the
+    first cache root, which every node of the job sees) after each, so that a calibration stopped anywhere resumes
+    on whichever node runs it next."""
+
+    def __init__(self, remote: Location):
+        self.remote = remote
+        if remote.is_local:
+            self.path = Path(remote.path)
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._temporary = None
+        else:
+            self._temporary = tempfile.mkdtemp(prefix="entmtp-calibration-")
+            self.path = Path(self._temporary)
+            if remote.exists():
+                pafs.copy_files(remote.path, str(self.path), source_filesystem=remote.filesystem,
+                                destination_filesystem=pafs.LocalFileSystem())
+
+    def save(self) -> None:
+        if self._temporary is not None:
+            self.remote.make()
+            pafs.copy_files(str(self.path), self.remote.path, source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=self.remote.filesystem)
+
+    def close(self) -> None:
+        if self._temporary is not None:
+            shutil.rmtree(self._temporary, ignore_errors=True)
+
+
+def rollout_decoding(decoding: DecodingConfig, device: str) -> tuple[DecodingConfig, bool]:
+    """(how the calibration rollouts decode, whether they are the job's own rows): a greedy job's settings with
+    the fastest policy at hand (greedy output is the same under every tree), else greedy ROLLOUT_TOKENS."""
+    policy = "hydra" if device.startswith("cuda") else "ar"  # a tree step pays on a GPU, not on a small CPU
+    plain = {"policy": policy, "bank": None, "signal": None, "tree": None, "n": 1}
+    if decoding.temperature == 0:
+        return decoding.model_copy(update=plain), True
+    greedy = DecodingConfig(**decoding.model_dump(exclude={"temperature", "acceptance", "top_p", "top_k"}) | plain)
+    return greedy.model_copy(update={"max_new_tokens": min(ROLLOUT_TOKENS, decoding.max_new_tokens)}), False
+
+
+def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: list[dict], work_uri: str, name: str,
+                        budget: int, source: str) -> dict:
+    """Rollouts of `rows` ({id, prompt, messages}) and the bank from them, on this worker. Returns the bank's JSON
+    (None, with `error`, when no bank could be built), the rollouts as output rows when the job is greedy, and the
+    seconds of each stage. Rollouts already saved under work_uri (a stopped calibration) are not decoded again."""
+    import torch
+
+    from entmtp_ray.pipeline.engine import Engine
+
+    started = time.time()
+    torch.set_num_threads(max(1, threads))
+    model = ModelConfig(**model_cfg)
+    job = DecodingConfig(**decoding)
+    drafting = Engine(model, DecodingConfig(policy="hydra", max_new_tokens=job.max_new_tokens,
+                                            max_input_tokens=job.max_input_tokens))
+    rollout, reused = rollout_decoding(job, str(drafting.loaded.device))
+    roller = Engine(model, rollout, stack=drafting.stack)
+    roller.actor_id = ACTOR_LABEL
+    stages = _Stages(Location.of(work_uri))
+    try:
+        saved_file = stages.path / f"rollouts-{_digest(rollout.model_dump())[:12]}.jsonl"  # per rollout settings
+        saved = {}
+        if saved_file.is_file():
+            for line in saved_file.read_text().splitlines():
+                record = json.loads(line)
+                saved[record["id"]] = record
+        loaded = time.time()
+        with saved_file.open("a") as out:
+            for row in rows:
+                if row["id"] in saved:
+                    continue
+                messages = json.loads(row["messages"]) if row.get("messages") else None
+                record = roller.run(row["id"], row["prompt"], messages)
+                saved[row["id"]] = record
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+                stages.save()
+        rolled = time.time()
+        records = [saved[row["id"]] for row in rows]
+        calibration_rows = [CalibrationRow(r["id"], _prompt(row), r["output_token_ids"])
+                            for row, r in zip(rows, records) if not r["error"]]
+        timing = [r.prompt for r in calibration_rows[:TIMING_PROMPTS]]
+        result = {"records": records if reused else [], "bank": None, "error": None,
+                  "seconds": {"load": loaded - started, "rollouts": rolled - loaded}}
+        try:
+            if not calibration_rows:
+                raise ValueError(f"none of the {len(rows)} calibration prompts decoded (first error: "
+                                 f"{records[0]['error'] if records else 'no prompts'})")
+            built = build_bank(drafting, calibration_rows, timing, stages.path / "bank", name=name,
+                               budget=budget, max_new_tokens=rollout.max_new_tokens,
+                               calibration={"source": source, "subset": "the job's prompts", "auto": True})
+            result["bank"] = built.bank.model_dump_json(indent=1) + "\n"
+        except (ValueError, RuntimeError, MemoryError) as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["seconds"]["bank"] = time.time() - rolled
+        stages.save()
+        return result
+    finally:
+        stages.close()
+
+
+def _prompt(row: dict):
+    return json.loads(row["messages"]) if row.get("messages") else row["prompt"]
+

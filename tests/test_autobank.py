@@ -1,0 +1,210 @@
+"""`--bank auto` (pipeline/autobank.py): the cache key and roots, the calibration on a worker (rollouts, bank,
+resume from its stages), the fallback, and the job on real local Ray: a greedy job writes the calibration's
+rollouts as its rows exactly once and decodes the rest with the calibrated bank, equal to AR; a second job with
+the same key reuses the bank; a calibration that fails falls back and still writes every row."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from entmtp_ray.calibrate.bank import Bank, Hardware
+from entmtp_ray.config import CalibrationConfig, DecodingConfig, ModelConfig
+from entmtp_ray.pipeline.assemble import AUTO_BANK, plan
+from entmtp_ray.pipeline.autobank import (ACTOR_LABEL, bank_key, cache_roots, calibrate_on_worker, data_identity,
+                                          find_cached, key_name, rollout_decoding, store)
+from entmtp_ray.pipeline.engine import Engine
+
+import raytools  # tests/raytools.py
+from test_banks import make_bank
+from test_pipeline import job_args, read_output, run_job, write_prompts
+
+HW = Hardware(device="cpu", threads=2, dtype="bfloat16", machine="Some CPU")
+
+
+def tiny(dirs, **extra) -> ModelConfig:
+    model_dir, heads_dir = dirs
+    return ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu", **extra)
+
+
+# ---- the key and the caches --------------------------------------------------------------------------
+
+def test_the_key_changes_with_everything_a_bank_depends_on(tiny_model_dirs):
+    model = tiny(tiny_model_dirs)
+    calibration = CalibrationConfig()
+    key = bank_key(model, "task:gsm8k", HW, calibration)
+    assert key["heads"] and len(key["heads"]) == 64  # the heads folder's content hash
+    assert key == bank_key(model, "task:gsm8k", HW, calibration)
+    variants = [bank_key(model, "task:humaneval", HW, calibration),
+                bank_key(model, "task:gsm8k", HW.model_copy(update={"threads": 4}), calibration),
+                bank_key(model, "task:gsm8k", HW.model_copy(update={"dtype": "float32"}), calibration),
+                bank_key(model, "task:gsm8k", HW.model_copy(update={"device": "NVIDIA A100"}), calibration),
+                bank_key(model, "task:gsm8k", HW, CalibrationConfig(calibration_prompts=64)),
+                bank_key(model, "task:gsm8k", HW, CalibrationConfig(calibration_budget=16))]
+    names = {key_name(k, "gsm8k") for k in [key, *variants]}
+    assert len(names) == 7 and all(n.startswith("tiny-vicuna-gsm8k-") for n in names)
+    shipped, full = (bank_key(ModelConfig(draft_vocab=v), "task:gsm8k", HW, calibration) for v in (None, 0))
+    assert shipped["draft_vocab"] == 8192 and full["draft_vocab"] == 0
+    assert data_identity("gsm8k", [("a.jsonl", 10)]) == ("gsm8k", "task:gsm8k")  # any copy of the task's data
+    one = data_identity(None, [("a.jsonl", 10)], "s3://b/prompts/")
+    assert one[0] == "prompts" and one != data_identity(None, [("a.jsonl", 11)], "s3://b/prompts/")
+
+
+def test_cache_roots_and_a_cached_bank_is_found_and_copied_beside_the_output(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "user"))
+    roots = cache_roots(CalibrationConfig(), str(tmp_path / "out"))
+    assert [r.path for r in roots] == [str(tmp_path / "out" / "_banks"), str(tmp_path / "user" / "banks")]
+    assert [r.path for r in cache_roots(CalibrationConfig(bank_cache=str(tmp_path / "c")), "x")] == [
+        str(tmp_path / "c")]
+    assert find_cached(roots, "k") is None
+    bank = make_bank(model="tiny-vicuna")
+    assert store(roots[1], "k", bank.model_dump_json(), {"model": "m"})  # an earlier job's, in the user's cache
+    found, label = find_cached(roots, "k")
+    assert found == bank and label == f"{roots[0].sub('k').uri}/bank.json"
+    assert (tmp_path / "out" / "_banks" / "k" / "bank.json").is_file()
+    (tmp_path / "out" / "_banks" / "k" / "bank.json").write_text("{not json")  # unreadable: the next root's
+    assert find_cached(roots, "k")[0] == bank
+
+
+def test_rollouts_are_the_jobs_own_rows_only_when_the_job_is_greedy():
+    greedy = DecodingConfig(policy="entmtp-tau", bank=AUTO_BANK, max_new_tokens=300, stop=["Q:"])
+    rollout, reused = rollout_decoding(greedy, "cpu")
+    assert reused and (rollout.policy, rollout.bank, rollout.max_new_tokens, rollout.stop) == ("ar", None, 300, ["Q:"])
+    assert rollout_decoding(greedy, "cuda")[0].policy == "hydra"  # a tree step pays on a GPU
+    sampling = greedy.model_copy(update={"temperature": 0.7, "acceptance": "exact", "top_p": 0.9})
+    rollout, reused = rollout_decoding(sampling, "cpu")
+    assert not reused and (rollout.temperature, rollout.acceptance, rollout.top_p) == (0.0, "greedy", 1.0)
+    assert rollout.max_new_tokens == 128
+
+
+def test_an_auto_bank_plans_its_fallback_until_calibrated(tiny_model_dirs, caplog):
+    model = tiny(tiny_model_dirs)
+    waiting = plan(model, DecodingConfig())  # no bank ships for this model: the default calibrates one
+    assert waiting.auto_bank and waiting.requested.bank == AUTO_BANK and waiting.requested.policy == "entmtp-tau"
+    assert waiting.decoding.policy == "hydra" and waiting.needs_heads and waiting.bank is None
+    bank = make_bank(model="tiny-vicuna")
+    ready = plan(model, waiting.requested, bank, "out/_banks/k/bank.json")
+    assert not ready.auto_bank and ready.bank is bank and ready.decoding.policy == "entmtp-tau"
+    assert ready.bank_label == "out/_banks/k/bank.json" and ready.bank_path is None
+    embedded = plan(ModelConfig(), DecodingConfig(task="gsm8k", bank=AUTO_BANK))  # falls back to the shipped bank
+    assert embedded.auto_bank and embedded.decoding.bank.endswith("gsm8k.json")
+    with pytest.raises(ValueError, match="--policy ar reads none"):
+        plan(model, DecodingConfig(policy="ar", bank=AUTO_BANK))
+    with caplog.at_level(logging.WARNING, logger="entmtp_ray.pipeline.engine"):
+        engine = Engine(model, DecodingConfig(max_new_tokens=4))  # a process that calibrates nothing
+    assert engine.decoding.policy == "hydra" and "this process calibrates no bank" in caplog.text
+    assert "jobs/build_bank.py --task general --model" in caplog.text
+
+
+# ---- the calibration on a worker ---------------------------------------------------------------------
+
+def calibration_rows(n: int) -> list[dict]:
+    return [{"id": f"c{i}", "prompt": f"Write item number {i} of a list.", "messages": None} for i in range(n)]
+
+
+def test_a_worker_calibrates_a_bank_from_its_rollouts_and_resumes_from_its_stages(tiny_model_dirs, tmp_path):
+    model = tiny(tiny_model_dirs).model_dump()
+    job = DecodingConfig(policy="entmtp-tau", bank=AUTO_BANK, max_new_tokens=10).model_dump()
+    rows = calibration_rows(4) + [{"id": "bad", "prompt": "", "messages": None}]
+    work = tmp_path / "work"
+    result = calibrate_on_worker(model, job, 1, rows, str(work), "tiny-auto", 8, "gsm8k")
+    assert result["error"] is None, result["error"]
+    bank = Bank.model_validate_json(result["bank"])
+    assert bank.task == "tiny-auto" and bank.calibration["auto"] and bank.calibration["prompts"] == 4
+    assert bank.hardware.threads == 1 and max(t.nodes for t in bank.trees) <= 8
+    records = result["records"]
+    assert [r["id"] for r in records] == [r["id"] for r in rows]  # the job's rows, the bad one as its error row
+    assert records[-1]["error"] and all(r["actor_id"] == ACTOR_LABEL and r["policy"] == "ar" for r in records)
+    ar = Engine(ModelConfig(**model), DecodingConfig(policy="ar", max_new_tokens=10))
+    for row, record in zip(rows[:4], records):
+        assert record["output_token_ids"] == ar.generate(row["id"], row["prompt"]).output_token_ids
+
+    # stopped after two rollouts: those are not decoded again; tables and timing start afresh
+    saved = next(work.glob("rollouts-*.jsonl"))
+    lines = saved.read_text().splitlines()
+    marked = [json.loads(line) | {"total_s": -1.0} for line in lines[:2]]
+    saved.write_text("".join(json.dumps(r) + "\n" for r in marked))
+    for stage in (work / "bank").iterdir():
+        stage.unlink()
+    again = calibrate_on_worker(model, job, 1, rows, str(work), "tiny-auto", 8, "gsm8k")
+    assert [r["total_s"] for r in again["records"][:2]] == [-1.0, -1.0]  # read back, not decoded
+    assert all(r["total_s"] > 0 for r in again["records"][2:4])
+    assert [r["output_token_ids"] for r in again["records"]] == [r["output_token_ids"] for r in records]
+    retimed = Bank.model_validate_json(again["bank"]).trees  # the same rollouts: the same frontier, timed afresh
+    assert [(t.name, t.paths, t.tau) for t in retimed] == [(t.name, t.paths, t.tau) for t in bank.trees]
+
+
+def test_a_calibration_with_no_usable_prompt_reports_why_and_builds_nothing(tiny_model_dirs, tmp_path):
+    model = tiny(tiny_model_dirs).model_dump()
+    job = DecodingConfig(policy="entmtp-tau", bank=AUTO_BANK, max_new_tokens=6, max_input_tokens=2).model_dump()
+    result = calibrate_on_worker(model, job, 1, calibration_rows(2), str(tmp_path / "w"), "x-auto", 8, "x")
+    assert result["bank"] is None and "none of the 2 calibration prompts decoded" in result["error"]
+    assert "over --max-input-tokens 2" in result["error"] and len(result["records"]) == 2  # still the job's rows
+
+
+# ---- the job -------------------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def own_ray(monkeypatch):
+    with raytools.own_ray_env(monkeypatch, "ra-") as temp_dir:
+        yield temp_dir
+
+
+def ar_outputs(dirs, ids_prompts: dict[str, str], max_new_tokens: int = 12) -> dict[str, list[int]]:
+    engine = Engine(tiny(dirs), DecodingConfig(policy="ar", max_new_tokens=max_new_tokens))
+    return {i: engine.generate(i, p).output_token_ids for i, p in ids_prompts.items()}
+
+
+@pytest.mark.slow
+def test_a_greedy_job_calibrates_writes_its_rollouts_once_and_decodes_the_rest_as_ar(tiny_model_dirs, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "user"))
+    data = write_prompts(tmp_path / "prompts.jsonl", 7)
+    extra = ["--bank", "auto", "--calibration-prompts", "3", "--calibration-budget", "8", "--dtype", "fp32"]
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra), env={"ENTMTP_CACHE": str(tmp_path / "user")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    calibration = summary["calibration"]
+    assert calibration["status"] == "built" and calibration["prompts"] == 3 and calibration["rows_reused"] == 3
+    assert calibration["seconds"] > 0 and set(calibration["stage_seconds"]) == {"load", "rollouts", "bank"}
+    assert summary["bank"] == calibration["bank"] and calibration["bank"].endswith("/bank.json")
+    assert str(tmp_path / "out" / "_banks") in calibration["bank"]
+    rows = read_output(tmp_path / "out")
+    assert sorted(r["id"] for r in rows) == [f"q{i}" for i in range(7)]  # every row once
+    by_policy = {}
+    for r in rows:
+        by_policy.setdefault((r["policy"], r["actor_id"] == "calibration"), []).append(r["id"])
+    assert len(by_policy[("ar", True)]) == 3 and len(by_policy[("entmtp-tau", False)]) == 4
+    assert all(r["label"] == r["id"][1:] for r in rows)  # the input's columns follow calibration rows too
+    want = ar_outputs(tiny_model_dirs, {f"q{i}": f"Write item number {i} of a list." for i in range(7)})
+    assert {r["id"]: r["output_token_ids"] for r in rows} == want  # fp32: every row equals AR's
+    assert (tmp_path / "user" / "banks" / calibration["key"] / "bank.json").is_file()
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["settings"]["bank_sha256"] == "auto" and manifest["sources"]["bank"] == "auto"
+
+    # the same key in a new output: the user's cache has the bank, nothing is calibrated
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out2", *extra), env={"ENTMTP_CACHE": str(tmp_path / "user")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert second["calibration"]["status"] == "cached" and second["calibration"]["rows_reused"] == 0
+    assert second["calibration"]["key"] == calibration["key"]
+    rows2 = read_output(tmp_path / "out2")
+    assert {r["id"]: r["output_token_ids"] for r in rows2} == want and {r["policy"] for r in rows2} == {"entmtp-tau"}
+
+
+@pytest.mark.slow
+def test_a_failed_calibration_falls_back_and_still_writes_every_row(tiny_model_dirs, tmp_path):
+    data = write_prompts(tmp_path / "prompts.jsonl", 3)
+    extra = ["--bank", "auto", "--calibration-prompts", "2", "--max-input-tokens", "3",
+             "--bank-cache", str(tmp_path / "cache")]
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    calibration = summary["calibration"]
+    assert calibration["status"] == "failed" and "none of the 2 calibration prompts decoded" in calibration["error"]
+    assert calibration["fallback"] == "hydra" and summary["policy"] == "hydra"
+    rows = read_output(tmp_path / "out")
+    assert sorted(r["id"] for r in rows) == ["q0", "q1", "q2"] and all("max-input-tokens" in r["error"] for r in rows)
+    assert not list((tmp_path / "cache").rglob("bank.json"))
