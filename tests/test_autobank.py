@@ -98,6 +98,25 @@ def test_an_auto_bank_plans_its_fallback_until_calibrated(tiny_model_dirs, caplo
     assert "jobs/build_bank.py --task general --model" in caplog.text
 
 
+def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_shipped_bank():
+    from entmtp_ray.config import ProcessorConfig
+    from entmtp_ray.pipeline.placement import ActorPlacement
+    from entmtp_ray.pipeline.processor import Processor
+
+    def placed(decoding: DecodingConfig, device: str) -> Processor:
+        processor = Processor(ProcessorConfig(decoding=decoding))
+        processor.placement = ActorPlacement(gpus=1.0 if device == "cuda" else 0.0, device=device, auto=True)
+        processor._calibrate_for_this_device()
+        return processor
+
+    on_gpu = placed(DecodingConfig(task="gsm8k"), "cuda")  # the shipped GSM8K bank was timed on a CPU
+    assert on_gpu.plan.auto_bank and on_gpu.plan.requested.bank == AUTO_BANK
+    assert on_gpu.config.decoding.bank.endswith("gsm8k.json") and on_gpu.plan.bank_label.endswith("gsm8k.json")  # fallback
+    assert not placed(DecodingConfig(task="gsm8k"), "cpu").plan.auto_bank  # the device it was timed on
+    kept = placed(DecodingConfig(task="gsm8k", policy="entmtp-tau"), "cuda")  # asked for by name: kept
+    assert not kept.plan.auto_bank and kept.plan.bank_label.endswith("gsm8k.json")
+
+
 # ---- the calibration on a worker ---------------------------------------------------------------------
 
 def calibration_rows(n: int) -> list[dict]:
@@ -134,6 +153,13 @@ def test_a_worker_calibrates_a_bank_from_its_rollouts_and_resumes_from_its_stage
     assert [r["output_token_ids"] for r in again["records"]] == [r["output_token_ids"] for r in records]
     retimed = Bank.model_validate_json(again["bank"]).trees  # the same rollouts: the same frontier, timed afresh
     assert [(t.name, t.paths, t.tau) for t in retimed] == [(t.name, t.paths, t.tau) for t in bank.trees]
+
+    # resumed with other prompts first (a dataset read in another order): the saved rollouts count towards the
+    # sample, so only as many new prompts are decoded as are missing, and only those are the job's rows
+    others = [{"id": f"n{i}", "prompt": f"Name a colour, number {i}.", "messages": None} for i in range(3)]
+    third = calibrate_on_worker(model, job, 1, others + rows[:3], str(work), "tiny-auto", 8, "gsm8k")
+    assert [r["id"] for r in third["records"]] == ["n0", "c0", "c1", "c2"]  # 5 saved + n0 = the 6 asked for
+    assert Bank.model_validate_json(third["bank"]).calibration["prompts"] == 5  # c0-c3 and n0 decoded
 
 
 def test_a_calibration_with_no_usable_prompt_reports_why_and_builds_nothing(tiny_model_dirs, tmp_path):

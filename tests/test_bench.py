@@ -71,6 +71,25 @@ def test_bench_config_errors_fail_before_any_work(tmp_path, capsys):
     assert rc == 2
     assert "--task or --bank" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    rc = bench_job.main(["--task", "gsm8k", "--systems", "entmtp-tau", "--also-bank", "general",
+                         "--output", str(tmp_path / "out")])
+    assert rc == 2 and "--also-bank general: write NAME=FILE" in capsys.readouterr().err
+
+
+def test_another_bank_runs_as_one_more_system_in_the_same_run(tmp_path, capsys):
+    """--also-bank: two banks side by side in one interleaved run (an auto bank against the shipped one)."""
+    general = shipped_bank("smollm2-135m-instruct", "general")
+    rc = bench_job.main(["--task", "gsm8k", "--dataset", str(ROOT / "tests" / "fixtures" / "gsm8k_train_200.jsonl"),
+                         "--limit", "1", "--max-new-tokens", "8", "--temperatures", "0", "--threads", "2",
+                         "--systems", "ar", "entmtp-tau", "--also-bank", f"general={general}",
+                         "--output", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    rows = {r["policy"]: r for r in pq.read_table(tmp_path / "out" / "rows").to_pylist()}
+    assert set(rows) == {"ar", "entmtp-tau", "entmtp-tau@general"}
+    assert rows["entmtp-tau@general"]["bank"] == str(general)
+    assert rows["entmtp-tau"]["bank"] == str(shipped_bank("smollm2-135m-instruct", "gsm8k"))
+    assert rows["entmtp-tau@general"]["matches_ar"] in ("equal", "tie")
+    assert all(name.startswith("general-") for name, _ in rows["entmtp-tau@general"]["tree_usage"])
 
 
 

@@ -123,6 +123,52 @@ def test_policy_sweep_finds_a_switching_policy_that_beats_the_static_tree():
     assert params.signals["accepted"].gain == 0.0
 
 
+def test_a_pair_that_gains_less_than_the_threshold_leaves_entmtp_tau_on_the_star(monkeypatch):
+    """A switching pair must replay MIN_SWITCH_GAIN faster than the star to be kept: the replay counts no
+    scheduling time. Below it, the pair is the star twice (which reads no signal); the gain is still recorded."""
+    from entmtp_ray.calibrate import sweep
+    from entmtp_ray.decode.tree import make_topology
+
+    assert sweep.MIN_SWITCH_GAIN == 0.02
+    rollouts = regime_rollouts(20, 0)
+    trees = {"n1": make_topology([], "n1"), "n4": make_topology([(0,), (0, 0), (0, 0, 0)], "n4")}
+    cost = {"n1": 1.0, "n4": 2.5}
+
+    def entropy_pair(threshold):
+        monkeypatch.setattr(sweep, "MIN_SWITCH_GAIN", threshold)
+        params, _ = sweep.choose_policies(rollouts, trees, cost, 0.0, ["n1", "n4"], beta=0.5)
+        return params.star, params.signals["entropy"]
+
+    star, kept = entropy_pair(0.0)
+    assert (kept.conservative, kept.aggressive) == ("n1", "n4") and kept.gain > 0.1
+    star, dropped = entropy_pair(kept.gain + 1e-6)
+    assert dropped.conservative == dropped.aggressive == star and dropped.gain == kept.gain
+
+
+def test_the_star_is_the_smallest_tree_within_the_tolerance_of_the_fastest(monkeypatch):
+    from entmtp_ray.calibrate import sweep
+    from entmtp_ray.decode.tree import make_topology
+
+    rollouts = regime_rollouts(20, 0)
+    trees = {"n1": make_topology([], "n1"), "n2": make_topology([(0,)], "n2"),
+             "n4": make_topology([(0,), (0, 0), (0, 0, 0)], "n4")}
+    cost = {"n1": 1.0, "n2": 1.3, "n4": 1.6}
+
+    def star(tolerance):
+        monkeypatch.setattr(sweep, "STAR_TOLERANCE", tolerance)
+        params, figures = sweep.choose_policies(rollouts, trees, cost, 0.0, list(trees), beta=0.5)
+        return params.star, figures["fixed_tokens_per_s"]
+
+    fastest, fixed = star(0.0)
+    assert fastest == max(fixed, key=fixed.get) != "n1"
+    nodes = {name: tree.num_nodes for name, tree in trees.items()}
+    smaller = max((n for n in trees if nodes[n] < nodes[fastest]), key=fixed.get)  # the best of the smaller trees
+    gap = 1 - fixed[smaller] / fixed[fastest]
+    assert gap > 0
+    assert star(gap + 1e-9)[0] == smaller  # within the tolerance: the smaller tree is the star
+    assert star(gap - 1e-9)[0] == fastest
+
+
 def test_the_accepted_signal_switches_between_drafting_trees_as_regimes_change():
     """In long regimes what the last steps accepted predicts the next step, once the conservative tree
     drafts something to be accepted. (It lags a regime change by a few steps, which the entropy of the

@@ -143,12 +143,19 @@ class Bench:
     """The systems, built once, and the interleaved run over prompts and temperatures."""
 
     def __init__(self, stack: Stack, systems: list[str], task: str | None, bank, model_label: str,
-                 bank_label: str | None, threads: int, seed: int):
+                 bank_label: str | None, threads: int, seed: int, other_banks: dict | None = None):
+        """`other_banks`: name -> (bank, label), each run as one more system `entmtp-tau@name` beside the rest."""
         loaded = stack.loaded
-        self.loaded, self.systems, self.task = loaded, systems, task
         self.labels = {"model": model_label, "heads": stack.heads_label, "bank": bank_label}
         self.decoders = {name: stack.decoder(policy_for(DecodingConfig(policy=name, task=task), bank))
                          for name in systems if name in POLICIES}
+        self.bank_labels = {name: bank_label for name in systems if name in BANK_POLICIES}
+        for other, (other_bank, label) in (other_banks or {}).items():
+            name = f"entmtp-tau@{other}"
+            self.decoders[name] = stack.decoder(policy_for(DecodingConfig(policy="entmtp-tau", task=task), other_bank))
+            self.bank_labels[name] = label
+            systems = [*systems, name]
+        self.loaded, self.systems, self.task = loaded, systems, task
         self.baselines = {}
         if "hf-generate" in systems:
             self.baselines["hf-generate"] = HFGenerate(loaded)
@@ -165,10 +172,10 @@ class Bench:
         return self.decoders[name].generate(ids, cfg, generator)
 
     def _context(self, name: str, prompt: Prompt, cfg: DecodingConfig) -> RowContext:
-        drafts = name in POLICIES and name != "ar"
+        drafts = name in self.decoders and name != "ar"
         return RowContext(id=prompt.id, prompt=prompt.text, decoding=cfg.model_copy(update={"policy": name}),
                           model=self.labels["model"], heads=self.labels["heads"] if drafts else None,
-                          bank=self.labels["bank"] if name in BANK_POLICIES else None,
+                          bank=self.bank_labels.get(name),
                           max_depth=self.max_depth if drafts else 0, started_at=time.time())
 
     def variants(self, temperature: float, acceptances: list[str]) -> list[tuple[str, str]]:

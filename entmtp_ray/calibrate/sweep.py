@@ -14,6 +14,14 @@ from entmtp_ray.decode.policy import SIGNALS, VERIFIER_STATS, FixedTree, Hystere
 from entmtp_ray.decode.tree import Topology, TreePath, make_topology
 
 CANDIDATE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+# a switching pair is kept only when its replay beats the star by this much: the replay counts no scheduling
+# time (reading the signal took up to 1.1% of decode time in the benchmarks) and few rollouts make it noisy;
+# a pair 0.04% faster in the replay of an auto bank ran 4% slower than its star (docs/measurements.md)
+MIN_SWITCH_GAIN = 0.02
+# the star is the smallest frontier tree whose replay is within this of the fastest: the step times are medians
+# over 3 timing prompts and vary by a few percent between runs, and a smaller tree's step grows less with the
+# context (ShareGPT's frontier from 4 to 16 nodes spans 2% of replayed tokens/s)
+STAR_TOLERANCE = 0.01
 QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
@@ -76,7 +84,8 @@ def choose_policies(rollouts, trees: dict[str, Topology], step_seconds: dict[str
         return replay_all(rollouts, policy, step_seconds, prefill_seconds, lengths).tokens_per_s
 
     fixed = {name: rate(FixedTree(name, trees[name])) for name in frontier}
-    star = max(frontier, key=lambda n: (fixed[n], -trees[n].num_nodes))
+    fastest = max(fixed.values())
+    star = min((n for n in frontier if fixed[n] >= (1 - STAR_TOLERANCE) * fastest), key=lambda n: trees[n].num_nodes)
     best_trees = sorted(frontier, key=lambda n: -fixed[n])[:top]
     by_size = sorted(best_trees, key=lambda n: -trees[n].num_nodes)  # most aggressive first
     drafting = [n for n in by_size if trees[n].num_nodes > 1] or by_size  # a one-node tree's steps all accept 1
@@ -106,11 +115,14 @@ def choose_policies(rollouts, trees: dict[str, Topology], step_seconds: dict[str
                     best_ladder = (r, (list(triple), [low, high]))
         small, big, on, off = best_tau[1]
         gain = best_tau[0] / fixed[star] - 1.0
+        if gain < MIN_SWITCH_GAIN:  # not worth reading a signal: entmtp-tau runs the star
+            small = big = star
         signals[name] = SignalParams(initial=initial, ladder_trees=best_ladder[1][0],
                                      ladder_thresholds=best_ladder[1][1], conservative=small, aggressive=big,
                                      tau_on=on, tau_off=off, gain=gain)
         figures["signals"][name] = {"quantiles": qs, "tau_tokens_per_s": best_tau[0],
                                     "ladder_tokens_per_s": best_ladder[0], "gain": gain}
-    # the signal whose switching gains most; where none gains, its pair is the star twice and reads no signal
+    # the signal whose switching gains most; where none gains MIN_SWITCH_GAIN, every pair is the star twice and
+    # entmtp-tau reads no signal
     default = max(signals, key=lambda n: figures["signals"][n]["tau_tokens_per_s"])
     return PolicyParams(star=star, signal=default, beta=beta, signals=signals), figures

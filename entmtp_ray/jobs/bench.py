@@ -48,6 +48,9 @@ def parse(argv):
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--acceptances", nargs="+", default=["typical", "exact"], choices=["typical", "exact"],
                    help="acceptance rules of the drafting policies at T>0 (AR and the baselines sample plainly)")
+    p.add_argument("--also-bank", nargs="+", default=[], metavar="NAME=FILE",
+                   help="more banks, each run as system entmtp-tau@NAME in the same interleaved run (e.g. an auto bank "
+                   "beside the shipped one)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the bank's)")
     p.add_argument("--output", required=True, help="directory for rows/ (Parquet) and the report")
     add_config_args(p, ModelConfig)
@@ -83,7 +86,14 @@ def main(argv=None) -> int:
         elif args.systems is not None and wants_bank:
             raise ValueError("the entmtp-* systems need a topology bank: pass --task or --bank")
         systems = choose_systems(args.systems, model_cfg.model, bank_path)
-        drafts = any(s in POLICIES and s != "ar" for s in systems)
+        other_banks = {}
+        for spec in args.also_bank:
+            name, sep, file = spec.partition("=")
+            if not sep or not name or not file:
+                raise ValueError(f"--also-bank {spec}: write NAME=FILE, e.g. auto=runs/job/_banks/KEY/bank.json")
+            other_banks[name] = (load_bank(file, available_depth(model_cfg.model, model_cfg.heads),
+                                           Path(model_cfg.model).name), file)
+        drafts = any(s in POLICIES and s != "ar" for s in systems) or bool(other_banks)
         if drafts:
             draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
         subset = args.subset or ("eval" if args.task else "all")
@@ -103,7 +113,7 @@ def main(argv=None) -> int:
     if bank is not None:
         warn_if_other_hardware(bank, current_hardware(loaded.device, loaded.dtype), bank_path)
     bench = Bench(stack, systems, args.task, bank, model_cfg.model, str(bank_path) if bank_path else None, threads,
-                  args.seed)
+                  args.seed, other_banks)
     prompts = []
     for row in table.select(["id", "prompt", "_messages", "_input_error"]).to_pylist():
         ids, error = None, row["_input_error"]

@@ -181,8 +181,10 @@ def rollout_decoding(decoding: DecodingConfig, device: str) -> tuple[DecodingCon
 def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: list[dict], work_uri: str, name: str,
                         budget: int, source: str) -> dict:
     """Rollouts of `rows` ({id, prompt, messages}) and the bank from them, on this worker. Returns the bank's JSON
-    (None, with `error`, when no bank could be built), the rollouts as output rows when the job is greedy, and the
-    seconds of each stage. Rollouts already saved under work_uri (a stopped calibration) are not decoded again."""
+    (None, with `error`, when no bank could be built), the rollouts of `rows` as output rows when the job is greedy
+    (in the order of `rows`; a row may have none, see below), and the seconds of each stage. Rollouts already saved
+    under work_uri by a stopped calibration with the same settings count towards len(rows), whichever prompts they
+    are of: they are not decoded again, and fewer of `rows` are."""
     import torch
 
     from entmtp_ray.pipeline.engine import Engine
@@ -207,25 +209,27 @@ def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: lis
         loaded = time.time()
         with saved_file.open("a") as out:
             for row in rows:
+                if len(saved) >= len(rows):  # a stopped calibration's rollouts make up the rest
+                    break
                 if row["id"] in saved:
                     continue
                 messages = json.loads(row["messages"]) if row.get("messages") else None
                 record = roller.run(row["id"], row["prompt"], messages)
-                saved[row["id"]] = record
-                out.write(json.dumps(record) + "\n")
+                saved[row["id"]] = record | {"_prompt": _prompt(row)}
+                out.write(json.dumps(saved[row["id"]]) + "\n")
                 out.flush()
                 stages.save()
         rolled = time.time()
-        records = [saved[row["id"]] for row in rows]
-        calibration_rows = [CalibrationRow(r["id"], _prompt(row), r["output_token_ids"])
-                            for row, r in zip(rows, records) if not r["error"]]
+        records = [{k: v for k, v in saved[row["id"]].items() if k != "_prompt"} for row in rows if row["id"] in saved]
+        calibration_rows = [CalibrationRow(r["id"], r["_prompt"], r["output_token_ids"])
+                            for r in saved.values() if not r["error"]]
         timing = [r.prompt for r in calibration_rows[:TIMING_PROMPTS]]
         result = {"records": records if reused else [], "bank": None, "error": None,
                   "seconds": {"load": loaded - started, "rollouts": rolled - loaded}}
         try:
             if not calibration_rows:
-                raise ValueError(f"none of the {len(rows)} calibration prompts decoded (first error: "
-                                 f"{records[0]['error'] if records else 'no prompts'})")
+                raise ValueError(f"none of the {len(saved)} calibration prompts decoded (first error: "
+                                 f"{next(iter(saved.values()))['error'] if saved else 'no prompts'})")
             built = build_bank(drafting, calibration_rows, timing, stages.path / "bank", name=name,
                                budget=budget, max_new_tokens=rollout.max_new_tokens,
                                calibration={"source": source, "subset": "the job's prompts", "auto": True})

@@ -47,15 +47,19 @@ class CalibrationRow:
 def measure_tables(engine: Engine, rows: list[CalibrationRow], work: Path) -> list[Rollout]:
     """Each rollout's rank table and verifier statistics (stage 1), in id order; cached in work/tables.json."""
     cache = work / "tables.json"
+    rows = sorted((r for r in rows if r.output_token_ids), key=lambda r: r.id)
+    key = [r.id for r in rows]
     if cache.is_file():
-        return [Rollout(**r) for r in json.loads(cache.read_text())]
+        saved = json.loads(cache.read_text())
+        if isinstance(saved, list):  # written before the file named its rollouts
+            return [Rollout(**r) for r in saved]
+        if saved["ids"] == key:  # the same rollouts (else measured afresh)
+            return [Rollout(**r) for r in saved["rollouts"]]
     measured = []
-    for row in sorted(rows, key=lambda r: r.id):
-        if not row.output_token_ids:
-            continue
+    for row in rows:
         ids = engine.encode(row.prompt)
         measured.append(measure_rollout(engine.decoder, ids + list(row.output_token_ids), len(ids), MAX_RANKS))
-    cache.write_text(json.dumps([r.__dict__ for r in measured]))
+    cache.write_text(json.dumps({"ids": key, "rollouts": [r.__dict__ for r in measured]}))
     return measured
 
 
@@ -70,6 +74,9 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
     """
     cache = work / "step_seconds.json"
     saved = json.loads(cache.read_text()) if cache.is_file() else {}
+    shapes = {name: [list(p) for p in tree.paths] for name, tree in trees.items()}
+    if saved.get("trees", shapes) != shapes:  # other trees under the same names (other rollouts): time afresh
+        saved = {}
     prefill = saved.get("prefill", [])
     if set(trees) <= set(saved.get("steps", {})):  # a finished timing
         return {name: saved["steps"][name] for name in trees}, sum(prefill) / len(prefill)
@@ -89,12 +96,12 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
                 result = decoders[name].generate(ids, cfg, row_generator(0, str(k), engine.loaded.device))
                 rounds[k][name] = result.decode_s / max(1, len(result.steps))
                 prefill.append(result.prefill_s)
-        cache.write_text(json.dumps({"rounds": rounds, "prefill": prefill}))
+        cache.write_text(json.dumps({"trees": shapes, "rounds": rounds, "prefill": prefill}))
     steps = {}
     for name in names:
         steps[name] = statistics.median_high(r[name] for r in rounds[: len(prompts)])
         print(f"  {name}: {1000 * steps[name]:.1f} ms/step", file=sys.stderr)
-    cache.write_text(json.dumps({"rounds": rounds, "prefill": prefill, "steps": steps}))
+    cache.write_text(json.dumps({"trees": shapes, "rounds": rounds, "prefill": prefill, "steps": steps}))
     return steps, sum(prefill) / len(prefill)
 
 

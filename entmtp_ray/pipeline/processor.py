@@ -28,7 +28,7 @@ from ray.data import ActorPoolStrategy, DataContext
 from entmtp_ray.calibrate.bank import Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig, ProcessorConfig
 from entmtp_ray.model.loading import cuda_problem
-from entmtp_ray.pipeline.assemble import fallback_warning, plan
+from entmtp_ray.pipeline.assemble import AUTO, AUTO_BANK, fallback_warning, plan
 from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
                                           data_identity, find_cached, key_name, probe_hardware, store)
 from entmtp_ray.pipeline.engine import EngineBroken
@@ -108,6 +108,7 @@ class Processor:
     """The generation stage of one configuration; call it on a Dataset of prompts."""
 
     def __init__(self, config: ProcessorConfig):
+        self.asked = config.decoding
         self.plan = plan(config.model, config.decoding)  # a broken config fails here, before any work
         # the actors and rows see the policy that runs (`auto` resolved once, here; an auto bank's fallback until
         # `calibrate` gives the bank), the manifest the one asked for (plan.requested)
@@ -125,7 +126,23 @@ class Processor:
                 ray.init()  # as Ray Data itself would, when the dataset first runs
             gpus = ray.cluster_resources().get("GPU", 0.0)
             self.placement = place_actors(self.config.model.device, self.config.pool.gpus_per_actor, gpus)
+            self._calibrate_for_this_device()
         return self.placement
+
+    def _calibrate_for_this_device(self) -> None:
+        """The default policy chose a shipped bank measured on the other kind of device (a CPU bank, actors on a
+        GPU, or the reverse): its trees were sized for other step costs, so calibrate one here instead."""
+        bank, asked = self.plan.bank, self.asked
+        if asked.policy != AUTO or asked.bank or bank is None or self.bank_json is not None:
+            return
+        on_gpu = self.placement.device.startswith("cuda")
+        if on_gpu == (bank.hardware.device != "cpu"):
+            return
+        log.warning("the shipped bank %s was measured on %s, and the actors run on %s: calibrating one for them "
+                    "(--bank auto; pass --bank %s to keep it)", self.plan.bank_label, bank.hardware.device,
+                    self.placement.device, self.plan.bank_label)
+        self.plan = plan(self.config.model, asked.model_copy(update={"bank": AUTO_BANK}))
+        self.config = self.config.model_copy(update={"decoding": self.plan.decoding})
 
     def __call__(self, dataset: "ray.data.Dataset") -> "ray.data.Dataset":
         """`dataset` rows with a prompt (or messages) column -> rows with the output columns added (the
@@ -139,6 +156,7 @@ class Processor:
         """The stage on rows that already hold the prompt columns (tasks.standardize's output). With an auto bank
         not yet calibrated, this calibrates it first, on the first rows (`calibrate`)."""
         samples = self.expand(prompts)
+        self.place()  # may ask for an auto bank (_calibrate_for_this_device)
         if self.plan.auto_bank:
             self.calibrate(samples)
         return self.decode(samples)
@@ -205,8 +223,10 @@ class Processor:
             self.config = self.config.model_copy(update={"decoding": self.plan.decoding})
             self.bank_json = auto.bank.model_dump_json()
             policy = auto.bank.policy
-            report.update(bank=auto.label, star=policy.star, signal=policy.signal,
-                          trees={t.name: t.nodes for t in auto.bank.trees})
+            switching = policy.signals[policy.signal]
+            report.update(bank=auto.label, star=policy.star, trees={t.name: t.nodes for t in auto.bank.trees},
+                          # None: no signal's switching gained enough over the star, and entmtp-tau runs the star
+                          signal=policy.signal if switching.conservative != switching.aggressive else None)
         else:
             running = self.plan.decoding
             report["fallback"] = running.bank or running.policy
@@ -250,7 +270,9 @@ def calibration_rows(auto: AutoBank) -> pa.Table | None:
     """A greedy job's calibration rollouts as its output rows (the sample rows' own columns after them), or None."""
     if not auto.records:
         return None
-    passthrough = auto.sample.drop_columns([c for c in ROW_COLUMNS if c in auto.sample.column_names])
+    position = {row_id: k for k, row_id in enumerate(auto.sample.column("id").to_pylist())}
+    sample = auto.sample.take(pa.array([position[r["id"]] for r in auto.records], pa.int64()))
+    passthrough = sample.drop_columns([c for c in ROW_COLUMNS if c in sample.column_names])
     return output_table(passthrough, auto.records)
 
 
