@@ -185,7 +185,7 @@ class CalibrationConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
-    calibration_prompts: int = Field(32, ge=1, description="job prompts the auto bank is calibrated on (greedy "
+    calibration_prompts: int = Field(64, ge=1, description="job prompts the auto bank is calibrated on (greedy "
                                      "rollouts; a greedy job writes them as its rows for those prompts)")
     calibration_budget: int = Field(64, ge=2, description="node budget of the trees the auto bank grows")
     bank_cache: str | None = Field(None, description="folder (path or URI) of auto banks, keyed by model, heads, "

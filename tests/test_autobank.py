@@ -41,7 +41,7 @@ def test_the_key_changes_with_everything_a_bank_depends_on(tiny_model_dirs):
                 bank_key(model, "task:gsm8k", HW.model_copy(update={"threads": 4}), calibration),
                 bank_key(model, "task:gsm8k", HW.model_copy(update={"dtype": "float32"}), calibration),
                 bank_key(model, "task:gsm8k", HW.model_copy(update={"device": "NVIDIA A100"}), calibration),
-                bank_key(model, "task:gsm8k", HW, CalibrationConfig(calibration_prompts=64)),
+                bank_key(model, "task:gsm8k", HW, CalibrationConfig(calibration_prompts=16)),
                 bank_key(model, "task:gsm8k", HW, CalibrationConfig(calibration_budget=16))]
     names = {key_name(k, "gsm8k") for k in [key, *variants]}
     assert len(names) == 7 and all(n.startswith("tiny-vicuna-gsm8k-") for n in names)

@@ -13,7 +13,9 @@ others still run); the last stdout line is one JSON summary, also written to OUT
    each task with prompts here (humaneval ships with the package; --gsm8k/--sharegpt name local copies).
    bench exits 1 when a greedy output differs from AR's beyond a float tie.
 3. bank: jobs/build_bank.py on a small humaneval calibration, timed on this GPU.
-4. ray: jobs/generate.py with 2 actors at --gpus-per-actor 0.5 (both on one GPU) on local Ray.
+4. ray: jobs/generate.py with 2 actors at --gpus-per-actor 0.5 (both on one GPU) on local Ray, with --bank auto:
+   a bank calibrated on 4 of the 12 prompts on the GPU (those 4 rows are the calibration's), the other 8 rows
+   decoded by the two actors with it.
 """
 
 from __future__ import annotations
@@ -179,10 +181,11 @@ def main(argv=None) -> int:
             summary["stages"]["bank"] = {"status": status, "seconds": seconds,
                                          "bank_written": (out / "bank.json").is_file()}
         elif stage == "ray":
-            command = [py, "jobs/generate.py", "--task", "humaneval", "--limit", "8", "--max-new-tokens", "64",
-                       "--min-actors", "2", "--max-actors", "2", "--gpus-per-actor", "0.5",
-                       "--output", str(out / "ray-job"), *common]
-            status, seconds, last = _run(command, out / "ray.log", 150)
+            command = [py, "jobs/generate.py", "--task", "humaneval", "--limit", "12", "--max-new-tokens", "64",
+                       "--min-actors", "2", "--max-actors", "2", "--gpus-per-actor", "0.5", "--bank", "auto",
+                       "--calibration-prompts", "4", "--calibration-budget", "32", "--bank-cache",
+                       str(out / "bank-cache"), "--output", str(out / "ray-job"), *common]
+            status, seconds, last = _run(command, out / "ray.log", 210)
             summary["stages"]["ray"] = {"status": status, "seconds": seconds, "summary": _json_or(last),
                                         "actors": _actors(out / "ray-job")}
     summary["ok"] = all(s.get("status") == 0 or "skipped" in s for s in summary["stages"].values())

@@ -194,6 +194,9 @@ class Processor:
             sample = calibration_sample(samples, calibration.calibration_prompts)
         rows = [{"id": r["id"], "prompt": r["prompt"], "messages": r["_messages"]}
                 for r in sample.select(["id", "prompt", "_messages"]).to_pylist()]
+        if not rows:  # every row already written (--resume), or none that decodes as the job does
+            report.update(status="failed", error="no prompt of the job to calibrate on")
+            return self._calibrated(AutoBank(None, None, report), started)
         report.update(status="built", prompts=len(rows))
         work = roots[0].sub(name).sub("work")
         log.warning("--bank auto: calibrating a bank on %d of the job's prompts (%s; stages in %s)", len(rows),
