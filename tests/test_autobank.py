@@ -111,7 +111,8 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
 
     on_gpu = placed(DecodingConfig(task="gsm8k"), "cuda")  # the shipped GSM8K bank was timed on a CPU
     assert on_gpu.plan.auto_bank and on_gpu.plan.requested.bank == AUTO_BANK
-    assert on_gpu.config.decoding.bank.endswith("gsm8k.json") and on_gpu.plan.bank_label.endswith("gsm8k.json")  # fallback
+    # until calibrated: the shipped bank, its fallback
+    assert on_gpu.config.decoding.bank.endswith("gsm8k.json") and on_gpu.plan.bank_label.endswith("gsm8k.json")
     assert not placed(DecodingConfig(task="gsm8k"), "cpu").plan.auto_bank  # the device it was timed on
     kept = placed(DecodingConfig(task="gsm8k", policy="entmtp-tau"), "cuda")  # asked for by name: kept
     assert not kept.plan.auto_bank and kept.plan.bank_label.endswith("gsm8k.json")
@@ -184,12 +185,11 @@ def ar_outputs(dirs, ids_prompts: dict[str, str], max_new_tokens: int = 12) -> d
 
 
 @pytest.mark.slow
-def test_a_greedy_job_calibrates_writes_its_rollouts_once_and_decodes_the_rest_as_ar(tiny_model_dirs, tmp_path,
-                                                                                      monkeypatch):
-    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "user"))
+def test_a_greedy_job_calibrates_writes_its_rollouts_once_and_decodes_the_rest_as_ar(tiny_model_dirs, tmp_path):
     data = write_prompts(tmp_path / "prompts.jsonl", 7)
     extra = ["--bank", "auto", "--calibration-prompts", "3", "--calibration-budget", "8", "--dtype", "fp32"]
-    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra), env={"ENTMTP_CACHE": str(tmp_path / "user")})
+    env = {"ENTMTP_CACHE": str(tmp_path / "user")}
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     calibration = summary["calibration"]
@@ -211,7 +211,7 @@ def test_a_greedy_job_calibrates_writes_its_rollouts_once_and_decodes_the_rest_a
     assert manifest["settings"]["bank_sha256"] == "auto" and manifest["sources"]["bank"] == "auto"
 
     # the same key in a new output: the user's cache has the bank, nothing is calibrated
-    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out2", *extra), env={"ENTMTP_CACHE": str(tmp_path / "user")})
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out2", *extra), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     second = json.loads(proc.stdout.strip().splitlines()[-1])
     assert second["calibration"]["status"] == "cached" and second["calibration"]["rows_reused"] == 0

@@ -12,10 +12,10 @@ import time
 
 from pydantic import ValidationError
 
+from entmtp_ray.calibrate.bank import Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.loop import GenerationResult, row_generator
 from entmtp_ray.model.loading import LoadedModel
-from entmtp_ray.calibrate.bank import Bank
 from entmtp_ray.pipeline.assemble import Stack, fallback_warning, load_stack, plan, warn_if_bank_elsewhere
 from entmtp_ray.pipeline.records import RowContext, error_row, result_row
 from entmtp_ray.pipeline.sampling import explain, row_decoding, sample_key
