@@ -234,3 +234,21 @@ def test_a_failed_calibration_falls_back_and_still_writes_every_row(tiny_model_d
     rows = read_output(tmp_path / "out")
     assert sorted(r["id"] for r in rows) == ["q0", "q1", "q2"] and all("max-input-tokens" in r["error"] for r in rows)
     assert not list((tmp_path / "cache").rglob("bank.json"))
+
+
+@pytest.mark.slow
+def test_a_sampling_job_calibrates_on_greedy_rollouts_it_does_not_write(tiny_model_dirs, tmp_path):
+    data = write_prompts(tmp_path / "prompts.jsonl", 4)
+    extra = ["--bank", "auto", "--calibration-prompts", "2", "--calibration-budget", "8", "--temperature", "0.7",
+             "--bank-cache", str(tmp_path / "cache")]
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calibration = json.loads(proc.stdout.strip().splitlines()[-1])["calibration"]
+    assert calibration["status"] == "built" and calibration["prompts"] == 2 and calibration["rows_reused"] == 0
+    rows = read_output(tmp_path / "out")
+    assert sorted(r["id"] for r in rows) == ["q0", "q1", "q2", "q3"]
+    assert {(r["policy"], r["acceptance"], r["actor_id"] == ACTOR_LABEL) for r in rows} == {
+        ("entmtp-tau", "exact", False)}  # every row sampled by the pool, with the calibrated bank
+    assert all(r["bank"] == calibration["bank"] for r in rows)
+    saved = [json.loads(line) for f in (tmp_path / "cache").rglob("rollouts-*.jsonl") for line in f.open()]
+    assert len(saved) == 2 and {r["temperature"] for r in saved} == {0.0}  # the calibration decoded greedily
