@@ -105,24 +105,25 @@ def plan(model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = N
         raise ValueError(f"--bank auto calibrates a bank for the entmtp policies; --policy {requested.policy} reads "
                          "none: drop --bank or pick an entmtp policy")
     running = fallback_decoding(model_cfg, requested) if auto else requested
-    bank_path = None
-    depth = available_depth(model_cfg.model, model_cfg.heads) if running.policy in BANK_POLICIES else None
-    if running.policy in BANK_POLICIES and bank is None:
-        bank_path = resolve_bank_path(model_cfg.model, running.task, running.bank)
-        bank = load_bank(bank_path, depth, Path(model_cfg.model).name)
-        bank_label = str(bank_path)
-    elif bank is not None:
-        for tree in bank.trees:
-            make_topology(tree.paths, tree.name, max_depth=depth)  # a bank from other heads names the fix
-    policy = policy_for(running, bank if running.policy in BANK_POLICIES else None)
+    bank_path = depth = None
+    if running.policy in BANK_POLICIES:
+        depth = available_depth(model_cfg.model, model_cfg.heads)
+        if bank is None:
+            bank_path = resolve_bank_path(model_cfg.model, running.task, running.bank)
+            bank = load_bank(bank_path, depth, Path(model_cfg.model).name)
+            bank_label = str(bank_path)
+        else:
+            for tree in bank.trees:
+                make_topology(tree.paths, tree.name, max_depth=depth)  # a bank from other heads names the fix
+    else:
+        bank = bank_label = None
+    policy = policy_for(running, bank)
     needs_heads = auto or any(t.depth > 0 for t in policy.trees())  # an auto bank's calibration drafts
     if needs_heads:
-        depth = available_depth(model_cfg.model, model_cfg.heads)
+        depth = depth if depth is not None else available_depth(model_cfg.model, model_cfg.heads)
         for topology in policy.trees():
             make_topology(topology.paths, topology.name, max_depth=depth)
         draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
-    if running.policy not in BANK_POLICIES:
-        bank = bank_label = None
     return Plan(requested, running, policy, needs_heads, bank_path, bank, bank_label, auto)
 
 

@@ -306,22 +306,22 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     connect(job, processor, location)
     tally, samples = (RowTally.options(**_on_this_node()).remote() for _ in range(2))  # the head outlives workers
     ds = _job_rows(prompts, processor, limit, seed, source, (tally, samples))
-    calibration, skip = None, job.resume
+    calibration, finished = None, None
+    if job.resume:
+        finished = finished_keys_task.options(**_on_this_node()).remote(location)
+        log.warning("resume: %d rows already in %s are skipped", ray.get(finished[1]), location.uri)
     if processor.plan.auto_bank:
         plain = _job_rows(prompts, processor, limit, seed, source)  # uncounted: the sample reads a few blocks
-        if job.resume:
-            plain = plain.map_batches(_drop_finished(finished_keys_task.options(**_on_this_node()).remote(location)[0]),
-                                      batch_format="pyarrow", batch_size=None)
+        if finished:
+            plain = plain.map_batches(_drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)
         auto = processor.calibrate(plain, job.output, data_of(prompts, source))
         calibration, rows = auto.report, calibration_rows(auto)
         if rows is not None:
             _write_calibration_rows(location, rows)
-            calibration["rows_reused"], skip = rows.num_rows, True
-    if skip:
-        done, count = finished_keys_task.options(**_on_this_node()).remote(location)
-        if job.resume:
-            log.warning("resume: %d rows already in %s are skipped", ray.get(count), location.uri)
-        ds = ds.map_batches(_drop_finished(done), batch_format="pyarrow", batch_size=None)
+            calibration["rows_reused"] = rows.num_rows
+            finished = finished_keys_task.options(**_on_this_node()).remote(location)  # now with those rows
+    if finished:
+        ds = ds.map_batches(_drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)
     processor.decode(ds).write_parquet(location.path, filesystem=location.filesystem,
                                        min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
     read = ray.get(tally.total.remote())

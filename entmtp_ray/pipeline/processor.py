@@ -178,10 +178,10 @@ class Processor:
         resources = {"num_cpus": pool.cpus_per_actor, "num_gpus": placement.gpus}
         hardware = ray.get(ray.remote(probe_hardware).options(**resources).remote(model, threads))
         roots = cache_roots(calibration, output)
-        sample = None
+        sample = rows = None
         if data is None and not self.plan.requested.task:
-            sample = calibration_sample(samples, calibration.calibration_prompts)
-            data = data_identity(None, prompts=sample.select(["id", "prompt", "_messages"]).to_pylist())
+            sample, rows = calibration_sample(samples, calibration.calibration_prompts)
+            data = data_identity(None, prompts=rows)
         label, fingerprint = data or data_identity(self.plan.requested.task)
         key = bank_key(self.config.model, fingerprint, hardware, calibration)
         name = key_name(key, label)
@@ -191,9 +191,7 @@ class Processor:
         if found:
             return self._calibrated(AutoBank(found[0], found[1], report), started)
         if sample is None:
-            sample = calibration_sample(samples, calibration.calibration_prompts)
-        rows = [{"id": r["id"], "prompt": r["prompt"], "messages": r["_messages"]}
-                for r in sample.select(["id", "prompt", "_messages"]).to_pylist()]
+            sample, rows = calibration_sample(samples, calibration.calibration_prompts)
         if not rows:  # every row already written (--resume), or none that decodes as the job does
             report.update(status="failed", error="no prompt of the job to calibrate on")
             return self._calibrated(AutoBank(None, None, report), started)
@@ -260,13 +258,17 @@ class Processor:
         )
 
 
-def calibration_sample(samples: "ray.data.Dataset", count: int) -> pa.Table:
+def calibration_sample(samples: "ray.data.Dataset", count: int) -> tuple[pa.Table, list[dict]]:
     """The first `count` rows of `samples` (expanded rows) that a calibration may decode as the job would: no input
-    error, the first sample of its prompt, no sampling_params of its own. Reads only the first blocks."""
+    error, the first sample of its prompt, no sampling_params of its own; as a table, and as the {id, prompt,
+    messages} the calibration task takes. Reads only the first blocks."""
     rows = samples.take_batch(4 * count, batch_format="pyarrow")  # a few more, for the rows that do not qualify
     keep = [i for i, (error, index, own) in enumerate(zip(*(rows.column(c).to_pylist() for c in
             ("_input_error", SAMPLE_INDEX, SAMPLING)))) if not error and index == 0 and not own][:count]
-    return rows.take(pa.array(keep, pa.int64()))
+    sample = rows.take(pa.array(keep, pa.int64()))
+    prompts = [{"id": r["id"], "prompt": r["prompt"], "messages": r["_messages"]}
+               for r in sample.select(["id", "prompt", "_messages"]).to_pylist()]
+    return sample, prompts
 
 
 def calibration_rows(auto: AutoBank) -> pa.Table | None:
