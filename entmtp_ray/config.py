@@ -151,6 +151,9 @@ class PoolConfig(BaseModel):
         None, ge=0, description="GPUs each actor reserves; a fraction shares one (0.5: two actors per GPU). Absent: 1 "
         "with --device cuda, with --device auto 1 if the Ray cluster has GPUs when the job starts, else 0; pass it "
         "on an autoscaling cluster whose GPU nodes are not up yet")
+    concurrent_requests: int = Field(1, ge=1, le=256, description="requests each actor decodes at once, their "
+                                     "trees verified in one forward per step (throughput mode; 1: one at a time, "
+                                     "the paper's batch size 1). Banks are timed per value (--bank auto)")
     rows_per_block: int = Field(ROWS_PER_BLOCK, ge=1, description="rows an actor takes at a time: a lost actor "
                                 "costs at most this many rows of work, and the last rows spread over the pool at "
                                 "this grain; larger blocks cost less scheduling per row (docs/measurements.md)")

@@ -41,9 +41,18 @@ class Hardware(BaseModel):
     threads: int = Field(..., ge=1, description="torch CPU threads")
     dtype: str = Field(..., description="base model dtype the bank was measured in")
     machine: str = Field("", description="CPU model / platform, for people reading the file")
+    concurrency: int = Field(1, ge=1, description="requests in flight per actor (--concurrent-requests) the step "
+                             "times were measured at: a tree's cost per request depends on how many share a forward")
 
     def same_as(self, other: Hardware) -> bool:
-        return (self.device, self.threads, self.dtype) == (other.device, other.threads, other.dtype)
+        return self.setting() == other.setting()
+
+    def setting(self) -> tuple:
+        return self.device, self.threads, self.dtype, self.concurrency
+
+    def describe(self) -> str:
+        return (f"{self.device} ({self.threads} threads, {self.dtype}"
+                + (f", {self.concurrency} concurrent requests)" if self.concurrency > 1 else ")"))
 
 
 class SignalParams(BaseModel):
@@ -136,11 +145,11 @@ def resolve_bank_path(model_name: str, task: str | None, bank: str | None) -> Pa
     return default_bank_path(model_name, task)
 
 
-def current_hardware(device: torch.device | str, dtype: torch.dtype | str) -> Hardware:
+def current_hardware(device: torch.device | str, dtype: torch.dtype | str, concurrency: int = 1) -> Hardware:
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Hardware(device=name, threads=torch.get_num_threads(), dtype=str(dtype).replace("torch.", ""),
-                    machine=machine_name())
+                    machine=machine_name(), concurrency=concurrency)
 
 
 def save_bank(bank: Bank, path: str | Path) -> None:
@@ -153,10 +162,9 @@ def save_bank(bank: Bank, path: str | Path) -> None:
 
 def warn_if_other_hardware(bank: Bank, hardware: Hardware, path: str | Path) -> None:
     if not bank.hardware.same_as(hardware):
-        log.warning("bank %s was measured on %s (%d threads, %s), this is %s (%d threads, %s): tree "
-                    "throughput differs by hardware; rebuild it here with jobs/build_bank.py", path,
-                    bank.hardware.device, bank.hardware.threads, bank.hardware.dtype, hardware.device,
-                    hardware.threads, hardware.dtype)
+        log.warning("bank %s was measured on %s, this is %s: tree throughput differs by hardware and "
+                    "concurrency; rebuild it here with jobs/build_bank.py, or run --bank auto", path,
+                    bank.hardware.describe(), hardware.describe())
 
 
 def load_bank(path: str | Path, max_depth: int | None = None, model: str | None = None,

@@ -9,6 +9,7 @@ whose `seconds` holds each phase's wall time when the caller asks for a profile.
 
 from __future__ import annotations
 
+import copy
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -132,6 +133,9 @@ class NoDrafter:
     def advance(self, base_hidden, positions):
         pass
 
+    def lane(self) -> NoDrafter:
+        return self
+
 
 class HydraDrafter:
     """Grounded Hydra drafting: each depth runs its head once over all expanding parents.
@@ -165,6 +169,12 @@ class HydraDrafter:
         if self.cache is not None:
             self.cache.reset()
         self.advance(base_hidden, positions)
+
+    def lane(self) -> HydraDrafter:
+        """A drafter over the same heads and projections with a cache and context of its own (SpecDecoder.lane)."""
+        twin = copy.copy(self)
+        twin.cache, twin.context, twin.plan = None, None, None
+        return twin
 
     def advance(self, base_hidden, positions):
         self.context = self.heads.context(base_hidden, positions, self.cache, self.rotary, self.plan)[-1]
@@ -234,6 +244,7 @@ class Request:
     tracer: Signal | None  # the signal whose value each step records (None: not traced)
     own_tracer: bool  # whether the decoder (not the policy) updates the tracer
     profile: bool  # synchronise the device at each phase boundary and keep the phase times
+    prompt_ids: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # EOS and the stop token ids
     stops: StopStrings | None = None  # the stop strings (None: none)
     stopped_on_string: bool = False  # a stop string ended it: the text is cut before it
@@ -267,6 +278,16 @@ class Accepted:
     tokens: list[int]  # their tokens (the first is the root, emitted by the step before)
     root: int  # the token after them: the next step's root
     stats: list[float]  # the traced signal's verifier statistic at each accepted node ([] when none is traced)
+
+
+@dataclass
+class PendingStep:
+    """A step between its drafting and its verify forward (SpecDecoder.draft_step)."""
+
+    buffers: TreeBuffers  # the chosen tree
+    tokens: torch.Tensor  # [n] its drafted tokens, root first
+    signal: float | None  # the traced signal when the tree was chosen
+    clock: _PhaseClock  # the step's phase times so far
 
 
 class SpecDecoder:
@@ -343,12 +364,15 @@ class SpecDecoder:
         while request.finish is None:
             self.step(request)
         self._sync()
-        decode_s = time.perf_counter() - start - prefill_s
+        return self.result(request, prefill_s, time.perf_counter() - start - prefill_s)
+
+    def result(self, request: Request, prefill_s: float, decode_s: float) -> GenerationResult:
+        """A finished request's result: its output decoded to text (cut at a stop string) and its traces."""
         text = self.loaded.decode(request.output)
         if request.stopped_on_string:
             text = request.stops.cut(text)
         return GenerationResult(
-            prompt_token_ids=list(prompt_ids), output_token_ids=request.output, output_text=text,
+            prompt_token_ids=list(request.prompt_ids), output_token_ids=request.output, output_text=text,
             finish_reason=request.finish, prefill_s=prefill_s, decode_s=decode_s, steps=request.steps,
             schedule_s=request.schedule_s)
 
@@ -372,15 +396,24 @@ class SpecDecoder:
         self.drafter.begin(hidden, positions, capacity)
         tracer, own_tracer = self._tracer(cfg)
         request = Request(cfg, generator, capacity, plan, root, [], None, tracer, own_tracer, profile,
-                          stop_ids=self.loaded.eos_token_ids | frozenset(cfg.stop_token_ids or ()),
+                          prompt_ids=list(prompt_ids), stop_ids=self.loaded.eos_token_ids | frozenset(cfg.stop_token_ids or ()),
                           stops=StopStrings(cfg.stop, self.loaded.decode) if cfg.stop else None)
         self.emit(request, [root])
         return request
 
     def step(self, request: Request) -> StepTrace | None:
         """One draft-verify step of a running request: its trace, or None when the context is full."""
+        pending = self.draft_step(request)
+        if pending is None:
+            return None
+        verified = self.verify(request, pending.buffers, pending.tokens)
+        pending.clock.mark("verify")
+        return self.finish_step(request, pending, verified)
+
+    def draft_step(self, request: Request) -> PendingStep | None:
+        """A step's first phases: choose the tree (near the end of the context, one node) and draft its tokens
+        below the root. None, with the request finished, when the context is full."""
         clock = _PhaseClock(self._sync if request.profile else None)
-        # 1) choose the tree; near the end of the context fall back to one node
         signal = request.tracer.value if request.tracer is not None else None
         buffers = self.choose(request)
         clock.mark("choose")
@@ -388,25 +421,33 @@ class SpecDecoder:
             request.finish = "context"
             request.schedule_s += clock.seconds["choose"]
             return None
-        # 2) draft the tree's tokens below the root
         tokens = self.drafter.draft(buffers, request.root)  # [n]
         clock.mark("draft")
-        # 3) verify the whole tree in one forward under the tree mask
-        verified = self.verify(request, buffers, tokens)
-        clock.mark("verify")
-        # 4) accept a path, then pick the token after it
+        return PendingStep(buffers, tokens, signal, clock)
+
+    def finish_step(self, request: Request, pending: PendingStep, verified: Verified) -> StepTrace:
+        """A step's phases after its verify forward: accept a path and the token after it, commit it to both
+        caches and emit its tokens, then let the policy (and the signal) see the step."""
+        clock = pending.clock
         accepted = self.accept(request, verified)
         clock.mark("accept")
-        # 5) commit the accepted path to both caches and emit its tokens
         emitted = self.commit(request, verified, accepted)
         clock.mark("commit")
-        # 6) let the policy (and the signal) see the step
-        trace = self.observe(request, verified, accepted, emitted, signal)
+        trace = self.observe(request, verified, accepted, emitted, pending.signal)
         clock.mark("observe")
         request.schedule_s += sum(clock.seconds[phase] for phase in SCHEDULING)
         if request.profile:
             trace.seconds = clock.seconds
         return trace
+
+    def lane(self) -> SpecDecoder:
+        """Another decoder over the same model, heads and tree buffers with caches and policy state of its own:
+        one slot of a batch (decode/batch.py). It verifies on the dynamic path (no static cache or graphs)."""
+        twin = copy.copy(self)
+        twin.cache, twin.verifier = None, None
+        twin.policy = copy.deepcopy(self.policy)
+        twin.drafter = self.drafter.lane() if hasattr(self.drafter, "lane") else copy.deepcopy(self.drafter)
+        return twin
 
     def choose(self, request: Request) -> TreeBuffers | None:
         """The policy's tree for this step, or the one-node tree when the context has no room for it;

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         connect(job, processor, location)  # joins Ray; nothing is written before its checks pass
         check_output(location, job.resume)
         settings, sources = run_settings(model_cfg, processor.plan.requested, source, processor.plan.needs_heads,
-                                         processor.plan.bank_path)
+                                         processor.plan.bank_path, pool.concurrent_requests)
         check_or_write(location, settings, job.resume, sources)
     except (ValueError, ValidationError, FileNotFoundError, ConnectionError) as exc:  # ConnectionError: --address
         print(f"error: {exc}", file=sys.stderr)

@@ -9,6 +9,8 @@ nothing about heads, trees or acceptance.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -51,23 +53,45 @@ def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, tables, cache: KVCach
 
     tables: from `rotary_tables`; mask: from `attention_mask(..., groups=LayerPlan.groups)`.
     """
+    return decoder_layer_parts(layer, x, tables, [Part(cache, 0, x.shape[1], mask)], layer_index, plan)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One request's rows [start, end) of a batched forward: its own cache and its mask (`attention_mask`)."""
+
+    cache: KVCache
+    start: int
+    end: int
+    mask: torch.Tensor | None
+
+
+def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: list[Part], layer_index: int,
+                        plan: LayerPlan | None = None) -> torch.Tensor:
+    """One LlamaDecoderLayer on the rows of several requests at once (x [1, N, H], `parts` tiling the N rows):
+    the projections and the MLP run once over all rows, the attention once per request over its own cache (the
+    same call, on the same shapes, as the request alone: a part's rows round as they would alone wherever the
+    products are row-independent, docs/design.md §8)."""
     p = plan or LayerPlan.of(layer)
     n, hd, heads, kv_heads = x.shape[1], p.head_dim, p.heads, p.kv_heads
     qkv = p.qkv(p.input_norm(x)[0]).view(n, -1, hd).transpose(0, 1)  # [heads + 2kv, n, hd]
     cos, signed_sin = tables  # [1, n, hd] each
     qk = qkv[:heads + kv_heads]
     qk = qk * cos + qk.roll(hd // 2, -1) * signed_sin  # rotary on q and k at once
-    keys, values = cache.write(layer_index, qk[heads:], qkv[heads + kv_heads:])  # [kv_heads, length + n, hd]
-    # grouped-query attention with each group's query heads folded into rows of one head (SDPA's
-    # enable_gqa costs 4x more for one token on CPU, docs/design.md §8); the mask rows repeat to match
-    out = F.scaled_dot_product_attention(
-        qk[:heads].reshape(1, kv_heads, -1, hd), keys[None], values[None], attn_mask=mask, scale=p.scaling
-    )  # [1, kv_heads, (heads / kv_heads) * n, hd], the rows of one group's heads in turn
-    x = x + p.o(out.view(heads, n, hd).transpose(0, 1).reshape(1, n, -1))
+    outs = []
+    for part in parts:
+        rows, m = slice(part.start, part.end), part.end - part.start
+        keys, values = part.cache.write(layer_index, qk[heads:, rows], qkv[heads + kv_heads:, rows])
+        # grouped-query attention with each group's query heads folded into rows of one head (SDPA's enable_gqa
+        # costs 4x more for one token on CPU, docs/design.md §8); the mask rows repeat to match. The queries are
+        # made contiguous: a strided one-row query takes another CPU kernel, which rounds differently
+        out = F.scaled_dot_product_attention(
+            qk[:heads, rows].contiguous().view(1, kv_heads, -1, hd), keys[None], values[None], attn_mask=part.mask,
+            scale=p.scaling)  # [1, kv_heads, (heads / kv_heads) * m, hd], the rows of one group's heads in turn
+        outs.append(out.view(heads, m, hd).transpose(0, 1).reshape(m, -1))
+    x = x + p.o((outs[0] if len(outs) == 1 else torch.cat(outs))[None])
     gate, up = p.gate_up(p.post_attention_norm(x)).chunk(2, dim=-1)  # [1, n, I] each
     return x + p.down(p.act(gate) * up)
-
-
 
 
 def forward_hidden(model, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -80,15 +104,46 @@ def forward_hidden(model, cache: KVCache, tokens: torch.Tensor, positions: torch
     is the token's).
     `plan`: from `prepare(model)`, for callers that run many forwards on unchanged weights.
     """
+    return forward_hidden_batch(model, [Rows(cache, tokens, positions, tree_mask)], plan)[0]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One request's new tokens in a batched forward: its cache, tokens [n], positions [n] and tree mask
+    ([n, n], None = causal), as `forward_hidden` takes them."""
+
+    cache: KVCache
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    tree_mask: torch.Tensor | None = None
+
+
+def forward_hidden_batch(model, requests: list[Rows], plan: ModelPlan | None = None) -> list[torch.Tensor]:
+    """`forward_hidden` of several requests in one pass: each request's hidden states [n_i, H], its k/v in its
+    own cache. The products run once over all rows (the weights are read once for every request); each
+    request attends over its own cache with its own mask, as it would alone (`decoder_layer_parts`)."""
     base, plan = model.model, plan or prepare(model)
-    if tokens.numel() == 1 and plan.lm_head.packed is not None and cache.length + ONE_TOKEN_ROWS <= cache.capacity:
-        # copies that see only themselves: the token's row takes the kernels a tree's rows take
-        tokens, positions = tokens.expand(ONE_TOKEN_ROWS), positions.expand(ONE_TOKEN_ROWS)
-        tree_mask = torch.eye(ONE_TOKEN_ROWS, dtype=torch.bool, device=tokens.device)
-        return forward_hidden(model, cache, tokens, positions, tree_mask, plan)[:1]
-    x = base.embed_tokens(tokens)[None]  # [1, n, H]
+    packed = plan.lm_head.packed is not None
+    device = requests[0].tokens.device
+    tokens, positions, parts, keep, start = [], [], [], [], 0
+    for r in requests:
+        t, pos, tree_mask, cache = r.tokens, r.positions, r.tree_mask, r.cache
+        keep.append(t.numel())
+        if t.numel() == 1 and packed and cache.length + ONE_TOKEN_ROWS <= cache.capacity:
+            # copies that see only themselves: the token's row takes the kernels a tree's rows take
+            t, pos = t.expand(ONE_TOKEN_ROWS), pos.expand(ONE_TOKEN_ROWS)
+            tree_mask = torch.eye(ONE_TOKEN_ROWS, dtype=torch.bool, device=device)
+        n = t.numel()
+        parts.append(Part(cache, start, start + n, attention_mask(tree_mask, cache.length, n, device,
+                                                                   plan.layers[0].groups)))
+        tokens.append(t)
+        positions.append(pos)
+        start += n
+    tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+    positions = positions[0] if len(positions) == 1 else torch.cat(positions)
+    x = base.embed_tokens(tokens)[None]  # [1, N, H]
     tables = rotary_tables(base.rotary_emb, x, positions)
-    mask = attention_mask(tree_mask, cache.length, tokens.numel(), tokens.device, plan.layers[0].groups)
     for i, (layer, layer_plan) in enumerate(zip(base.layers, plan.layers)):
-        x = decoder_layer(layer, x, tables, cache, i, mask, layer_plan)
-    return plan.norm(x)[0]
+        x = decoder_layer_parts(layer, x, tables, parts, i, layer_plan)
+    hidden = plan.norm(x)[0]  # [N, H]
+    return [hidden[part.start:part.start + n] for part, n in zip(parts, keep)]

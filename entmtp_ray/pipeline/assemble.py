@@ -157,8 +157,9 @@ def load_stack(model_cfg: ModelConfig, with_heads: bool) -> Stack:
     return Stack(loaded, HydraDrafter(heads, loaded.model, vocab), label, len(vocab) if vocab else 0)
 
 
-def warn_if_bank_elsewhere(stack: Stack, resolved: Plan) -> None:
-    """A bank measured on other hardware still runs (its trees may just be slower here): warn once."""
+def warn_if_bank_elsewhere(stack: Stack, resolved: Plan, concurrency: int = 1) -> None:
+    """A bank measured on other hardware (or at another concurrency) still runs (its trees may just be slower
+    here): warn once."""
     if resolved.bank is not None:
-        warn_if_other_hardware(resolved.bank, current_hardware(stack.loaded.device, stack.loaded.dtype),
+        warn_if_other_hardware(resolved.bank, current_hardware(stack.loaded.device, stack.loaded.dtype, concurrency),
                                resolved.bank_label)

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,13 +63,13 @@ def cache_roots(calibration: CalibrationConfig, output: str | None) -> list[Loca
     return roots + [Location.of(str(cache_dir() / "banks"))]
 
 
-def probe_hardware(model_cfg: dict, threads: int) -> Hardware:
-    """The hardware a bank would be timed on here: run where a generation actor would."""
+def probe_hardware(model_cfg: dict, threads: int, concurrency: int = 1) -> Hardware:
+    """The hardware a bank would be timed on here, at the actors' concurrency: run where a generation actor would."""
     import torch
 
     torch.set_num_threads(max(1, threads))
     device = pick_device(model_cfg["device"])
-    return current_hardware(device, pick_dtype(model_cfg["dtype"], device))
+    return current_hardware(device, pick_dtype(model_cfg["dtype"], device), concurrency)
 
 
 def data_identity(task: str | None, files: list[tuple[str, int]] | None = None, dataset: str | None = None,
@@ -93,7 +94,9 @@ def bank_key(model_cfg: ModelConfig, data: str, hardware: Hardware, calibration:
     """Everything an auto bank depends on (compared whole: a bank is reused only for the same key)."""
     vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
     return {"version": BANK_VERSION, "model": model_cfg.model, "chat_format": model_cfg.chat_format,
-            "heads": heads_identity(model_cfg)[1], "data": data, "hardware": hardware.model_dump(),
+            # concurrency 1 is left out, so banks cached before it was a setting keep their keys
+            "heads": heads_identity(model_cfg)[1], "data": data,
+            "hardware": hardware.model_dump(exclude={"concurrency"} if hardware.concurrency == 1 else None),
             "draft_vocab": len(vocab) if vocab else 0, "prompts": calibration.calibration_prompts,
             "budget": calibration.calibration_budget}
 
@@ -179,12 +182,13 @@ def rollout_decoding(decoding: DecodingConfig, device: str) -> tuple[DecodingCon
 
 
 def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: list[dict], work_uri: str, name: str,
-                        budget: int, source: str) -> dict:
+                        budget: int, source: str, concurrency: int = 1) -> dict:
     """Rollouts of `rows` ({id, prompt, messages}) and the bank from them, on this worker. Returns the bank's JSON
     (None, with `error`, when no bank could be built), the rollouts of `rows` as output rows when the job is greedy
     (in the order of `rows`; a row may have none, see below), and the seconds of each stage. Rollouts already saved
     under work_uri by a stopped calibration with the same settings count towards len(rows), whichever prompts they
-    are of: they are not decoded again, and fewer of `rows` are."""
+    are of: they are not decoded again, and fewer of `rows` are. `concurrency`: the actors' --concurrent-requests;
+    the rollouts decode that many at once, as the job's rows would, and the trees are timed at it."""
     import torch
 
     from entmtp_ray.pipeline.engine import Engine
@@ -194,9 +198,9 @@ def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: lis
     model = ModelConfig(**model_cfg)
     job = DecodingConfig(**decoding)
     drafting = Engine(model, DecodingConfig(policy="hydra", max_new_tokens=job.max_new_tokens,
-                                            max_input_tokens=job.max_input_tokens))
+                                            max_input_tokens=job.max_input_tokens), concurrency=concurrency)
     rollout, reused = rollout_decoding(job, str(drafting.loaded.device))
-    roller = Engine(model, rollout, stack=drafting.stack)
+    roller = Engine(model, rollout, stack=drafting.stack, concurrency=concurrency)
     roller.actor_id = ACTOR_LABEL
     stages = _Stages(Location.of(work_uri))
     try:
@@ -207,14 +211,10 @@ def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: lis
                 record = json.loads(line)
                 saved[record["id"]] = record
         loaded = time.time()
-        with saved_file.open("a") as out:
-            for row in rows:
-                if len(saved) >= len(rows):  # a stopped calibration's rollouts make up the rest
-                    break
-                if row["id"] in saved:
-                    continue
-                messages = json.loads(row["messages"]) if row.get("messages") else None
-                record = roller.run(row["id"], row["prompt"], messages)
+        todo = [row for row in rows if row["id"] not in saved][:max(0, len(rows) - len(saved))]  # saved ones count
+        with saved_file.open("a") as out, ThreadPoolExecutor(concurrency) as pool:
+            # `concurrency` rows in flight at once through the roller's Batcher; each is saved as it comes back
+            for row, record in zip(todo, pool.map(lambda r: roller.run(r["id"], r["prompt"], _messages(r)), todo)):
                 saved[row["id"]] = record | {"_prompt": _prompt(row)}
                 out.write(json.dumps(saved[row["id"]]) + "\n")
                 out.flush()
@@ -241,6 +241,10 @@ def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: lis
         return result
     finally:
         stages.close()
+
+
+def _messages(row: dict) -> list[dict] | None:
+    return json.loads(row["messages"]) if row.get("messages") else None
 
 
 def _prompt(row: dict):

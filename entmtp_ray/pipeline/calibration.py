@@ -18,6 +18,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from entmtp_ray.calibrate.growth import AcceptanceTable, accepted_lengths, grow_
 from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout
 from entmtp_ray.calibrate.sweep import candidate_trees, choose_policies, replay_all
 from entmtp_ray.config import DecodingConfig
+from entmtp_ray.decode.batch import BatchDecoder, Job
 from entmtp_ray.decode.loop import row_generator
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology
@@ -65,14 +67,18 @@ def measure_tables(engine: Engine, rows: list[CalibrationRow], work: Path) -> li
 
 def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str], new_tokens: int,
                  work: Path) -> tuple[dict[str, float], float]:
-    """Seconds per decoding step of each tree (median over prompts), and mean prefill seconds.
+    """Seconds per decoding step of each tree (median over prompts), and mean prefill seconds, at the engine's
+    concurrency: with K > 1, a step is one batched step of K requests that all run the tree (each prompt with the
+    K - 1 prompts after it), timed only while all K are in flight, since that is what a request pays per step
+    in an actor that keeps K in flight.
 
     The trees are timed side by side: each prompt runs every tree back to back, in an order rotated
     per prompt, so a machine that slows down during the timing slows every tree alike (timed one
     tree after another, a 1-node tree once measured slower than a 5-node one). Each finished prompt
     is saved, so a stopped build resumes within the timing.
     """
-    cache = work / "step_seconds.json"
+    concurrency = engine.concurrency
+    cache = work / ("step_seconds.json" if concurrency == 1 else f"step_seconds-k{concurrency}.json")
     saved = json.loads(cache.read_text()) if cache.is_file() else {}
     shapes = {name: [list(p) for p in tree.paths] for name, tree in trees.items()}
     if saved.get("trees", shapes) != shapes:  # other trees under the same names (other rollouts): time afresh
@@ -85,17 +91,25 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
     for name, topology in trees.items():
         decoders[name] = engine.stack.decoder(FixedTree(name, topology))
         decoders[name].generate(engine.encode(prompts[0]), cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
+    batches = {name: BatchDecoder(decoder, concurrency) for name, decoder in decoders.items()} \
+        if concurrency > 1 else {}
+    encoded = [engine.encode(prompt) for prompt in prompts]
     names = list(trees)
     rounds: list[dict[str, float]] = saved.get("rounds", [])  # per prompt: tree -> seconds per step
-    for k, prompt in enumerate(prompts):
+    for k, ids in enumerate(encoded):
         if k == len(rounds):
             rounds.append({})
-        ids = engine.encode(prompt)
         for name in names[k % len(names):] + names[: k % len(names)]:
-            if name not in rounds[k]:
+            if name in rounds[k]:
+                continue
+            if concurrency == 1:
                 result = decoders[name].generate(ids, cfg, row_generator(0, str(k), engine.loaded.device))
                 rounds[k][name] = result.decode_s / max(1, len(result.steps))
                 prefill.append(result.prefill_s)
+            else:
+                group = [encoded[(k + j) % len(encoded)] for j in range(concurrency)]
+                rounds[k][name], seconds = _batched_step_seconds(batches[name], group, cfg, engine.loaded.device)
+                prefill.append(seconds)
         cache.write_text(json.dumps({"trees": shapes, "rounds": rounds, "prefill": prefill}))
     steps = {}
     for name in names:
@@ -103,6 +117,24 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
         print(f"  {name}: {1000 * steps[name]:.1f} ms/step", file=sys.stderr)
     cache.write_text(json.dumps({"trees": shapes, "rounds": rounds, "prefill": prefill, "steps": steps}))
     return steps, sum(prefill) / len(prefill)
+
+
+def _batched_step_seconds(batch: BatchDecoder, group: list[list[int]], cfg: DecodingConfig,
+                          device) -> tuple[float, float]:
+    """(median seconds of a batched step while every lane is in flight, mean prefill seconds) of `group`'s prompts
+    decoded together. Steps after the first request finished (fewer rows, a cheaper step) count only when no
+    step ran full."""
+    prefills, full, partial = [], [], []
+    for j, ids in enumerate(group):
+        start = time.perf_counter()
+        batch.admit(Job(j, ids, cfg, row_generator(0, str(j), device)))
+        prefills.append(time.perf_counter() - start)
+    while batch.running:
+        lanes = batch.running
+        start = time.perf_counter()
+        batch.step()
+        (full if lanes == batch.slots else partial).append(time.perf_counter() - start)
+    return statistics.median(full or partial), sum(prefills) / len(prefills)
 
 
 def project_relative(path: str) -> str:
@@ -147,7 +179,7 @@ def build_bank(engine: Engine, rows: list[CalibrationRow], timing_prompts: list,
     policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier, lengths=lengths)
     bank = Bank(
         model=Path(engine.model_cfg.model).name, heads=project_relative(engine.heads_label), task=name,
-        hardware=current_hardware(engine.loaded.device, engine.loaded.dtype),
+        hardware=current_hardware(engine.loaded.device, engine.loaded.dtype, engine.concurrency),
         calibration={**calibration, "prompts": len(measured), "max_new_tokens": max_new_tokens,
                      "positions": table.rows},
         created=datetime.date.today().isoformat(),

@@ -8,13 +8,17 @@ fails in the constructor, before any row runs.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+from concurrent.futures import Future
 
 from pydantic import ValidationError
 
 from entmtp_ray.calibrate.bank import Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.decode.loop import GenerationResult, row_generator
+from entmtp_ray.decode.batch import BatchDecoder, Job
+from entmtp_ray.decode.loop import GenerationResult, SpecDecoder, row_generator
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.pipeline.assemble import Stack, fallback_warning, load_stack, plan, warn_if_bank_elsewhere
 from entmtp_ray.pipeline.records import RowContext, error_row, result_row
@@ -56,13 +60,64 @@ def encode_checked(loaded: LoadedModel, prompt, max_input_tokens: int) -> list[i
     return ids
 
 
+class Batcher:
+    """Decodes the requests that any thread submits, up to `slots` at once, on one thread of its own (a
+    BatchDecoder's continuous batching): `generate` blocks its caller until that request is done. How a Ray actor
+    that takes several rows at once (--concurrent-requests) shares one model between them."""
+
+    def __init__(self, decoder: SpecDecoder, slots: int):
+        self.batch = BatchDecoder(decoder, slots)
+        self.threads = None  # torch threads, taken from the first caller (OpenMP's setting is per thread)
+        self.jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def generate(self, prompt_ids: list[int], cfg: DecodingConfig, generator=None) -> GenerationResult:
+        import torch
+
+        with self.lock:
+            if self.thread is None:
+                self.threads = torch.get_num_threads()
+                self.thread = threading.Thread(target=self._serve, name="entmtp-batcher", daemon=True)
+                self.thread.start()
+        future: Future = Future()
+        self.jobs.put(Job(future, prompt_ids, cfg, generator))
+        return future.result()
+
+    def _serve(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        batch = self.batch
+        while True:
+            while batch.running < batch.slots:  # fill the free lanes; wait only when none is running
+                try:
+                    job = self.jobs.get(block=not batch.running)
+                except queue.Empty:
+                    break
+                try:
+                    early = batch.admit(job)
+                except BaseException as exc:  # noqa: BLE001 - the caller's row, as the caller would have met it
+                    job.tag.set_exception(exc)
+                    continue
+                if early is not None:
+                    job.tag.set_result(early)
+            for job, result in batch.step():
+                if isinstance(result, BaseException):
+                    job.tag.set_exception(result)
+                else:
+                    job.tag.set_result(result)
+
+
 class Engine:
     """`bank`: a bank in hand (a calibrated auto bank, from `bank_label`) instead of the file decoding.bank names;
-    `stack`: a loaded model (and heads) to share with another engine of the same model_cfg."""
+    `stack`: a loaded model (and heads) to share with another engine of the same model_cfg; `concurrency`: requests
+    decoded at once when `generate` is called from that many threads (a Batcher; 1: each call decodes alone)."""
 
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
-                 bank_label: str | None = None, stack: Stack | None = None):
+                 bank_label: str | None = None, stack: Stack | None = None, concurrency: int = 1):
         self.model_cfg = model_cfg
+        self.concurrency = concurrency
         resolved = plan(model_cfg, decoding, bank, bank_label)
         if resolved.auto_bank:
             log.warning(fallback_warning(model_cfg, resolved.decoding, "this process calibrates no bank"))
@@ -72,8 +127,9 @@ class Engine:
         self.stack = stack or load_stack(model_cfg, resolved.needs_heads)
         self.loaded = self.stack.loaded
         self.decoder = self.stack.decoder(resolved.policy)
+        self.batcher = Batcher(self.decoder, concurrency) if concurrency > 1 else None
         self.bank_label = resolved.bank_label
-        warn_if_bank_elsewhere(self.stack, resolved)
+        warn_if_bank_elsewhere(self.stack, resolved, concurrency)
         self.actor_id: str | None = None  # set by the Ray actor that owns this engine
 
     @property
@@ -97,7 +153,10 @@ class Engine:
         ids = self.encode(prompt)
         # a row without an id (a user's Dataset may have none) is seeded by its prompt
         key = sample_key(row_id if row_id is not None else repr(prompt), sample_index)
-        return self.decoder.generate(ids, cfg, row_generator(cfg.seed, key, self.loaded.device))
+        generator = row_generator(cfg.seed, key, self.loaded.device)
+        if self.batcher is not None:
+            return self.batcher.generate(ids, cfg, generator)
+        return self.decoder.generate(ids, cfg, generator)
 
     def _context(self, row_id, prompt, decoding: DecodingConfig | None = None, sample_index: int = 0) -> RowContext:
         return RowContext(id=row_id, prompt=prompt if isinstance(prompt, str) or prompt is None else repr(prompt),

@@ -57,7 +57,7 @@ def heads_identity(model_cfg: ModelConfig) -> tuple[str, str]:
 
 
 def run_settings(model_cfg: ModelConfig, decoding: DecodingConfig, source: InputConfig | None,
-                 needs_heads: bool, bank_path: Path | None) -> tuple[dict, dict]:
+                 needs_heads: bool, bank_path: Path | None, concurrent_requests: int = 1) -> tuple[dict, dict]:
     """(settings, sources): everything an output row depends on, as JSON values compared field by field on
     --resume (heads and bank by content, so a moved checkout still resumes; heads from the hub by their
     `owner/name@commit`, since the driver holds only their configs), and where heads and bank were read
@@ -67,7 +67,9 @@ def run_settings(model_cfg: ModelConfig, decoding: DecodingConfig, source: Input
     settings = {"model": model_cfg.model_dump(exclude={"heads"}),
                 "heads_sha256": heads_id,
                 "bank_sha256": AUTO_BANK if auto else content_hash(bank_path) if bank_path else None,
-                "decoding": decoding.model_dump(exclude={"bank"})}
+                "decoding": decoding.model_dump(exclude={"bank"}),
+                # requests verified together change a row's numerics within the float-tie rule (docs/design.md §7)
+                "concurrent_requests": concurrent_requests}
     if source is not None:
         settings["input"] = source.model_dump(exclude=RESUMABLE_INPUT)
     return settings, {"heads": heads_path, "bank": AUTO_BANK if auto else str(bank_path) if bank_path else None}
@@ -91,7 +93,8 @@ def _flat(value, prefix: str = "") -> dict:
 
 def _defaults() -> dict:
     """Every model and decoding setting at its default, flattened as in a manifest."""
-    return _flat({"model": ModelConfig().model_dump(), "decoding": DecodingConfig().model_dump()})
+    return _flat({"model": ModelConfig().model_dump(), "decoding": DecodingConfig().model_dump(),
+                  "concurrent_requests": 1})
 
 
 def differences(before: dict, now: dict) -> list[str]:

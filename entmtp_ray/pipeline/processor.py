@@ -26,7 +26,7 @@ import ray
 from ray.data import ActorPoolStrategy, DataContext
 
 from entmtp_ray.calibrate.bank import Bank
-from entmtp_ray.config import DecodingConfig, ModelConfig, ProcessorConfig
+from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig, ProcessorConfig
 from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.assemble import AUTO, AUTO_BANK, fallback_warning, plan
 from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
@@ -53,7 +53,7 @@ class GenerateActor:
     """Callable class for map_batches: loads model, heads and policy once, then decodes row by row."""
 
     def __init__(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None = None,
-                 bank_label: str | None = None):
+                 bank_label: str | None = None, concurrency: int = 1):
         import torch
 
         from entmtp_ray.pipeline.engine import Engine
@@ -62,7 +62,10 @@ class GenerateActor:
             check_assigned_gpu()
         torch.set_num_threads(max(1, threads))
         calibrated = Bank.model_validate_json(bank) if bank else None  # an auto bank, as the job calibrated it
-        self.engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding), calibrated, bank_label)
+        # with concurrency K, Ray runs up to K calls of this actor at once (threads), and the engine's Batcher decodes
+        # their rows together
+        self.engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding), calibrated, bank_label,
+                             concurrency=concurrency)
         self.engine.actor_id = ray.get_runtime_context().get_actor_id()
         self.engine.warm_up()
 
@@ -131,16 +134,18 @@ class Processor:
 
     def _calibrate_for_this_device(self) -> None:
         """The default policy chose a shipped bank measured on the other kind of device (a CPU bank, actors on a
-        GPU, or the reverse): its trees were sized for other step costs, so calibrate one here instead."""
+        GPU, or the reverse) or at another --concurrent-requests: its trees were sized for other step costs, so
+        calibrate one here instead."""
         bank, asked = self.plan.bank, self.asked
         if asked.policy != AUTO or asked.bank or bank is None or self.bank_json is not None:
             return
         on_gpu = self.placement.device.startswith("cuda")
-        if on_gpu == (bank.hardware.device != "cpu"):
+        concurrency = self.config.pool.concurrent_requests
+        if on_gpu == (bank.hardware.device != "cpu") and bank.hardware.concurrency == concurrency:
             return
-        log.warning("the shipped bank %s was measured on %s, and the actors run on %s: calibrating one for them "
-                    "(--bank auto; pass --bank %s to keep it)", self.plan.bank_label, bank.hardware.device,
-                    self.placement.device, self.plan.bank_label)
+        log.warning("the shipped bank %s was measured on %s, and the actors run on %s with %d concurrent requests: "
+                    "calibrating one for them (--bank auto; pass --bank %s to keep it)", self.plan.bank_label,
+                    bank.hardware.describe(), self.placement.device, concurrency, self.plan.bank_label)
         self.plan = plan(self.config.model, asked.model_copy(update={"bank": AUTO_BANK}))
         self.config = self.config.model_copy(update={"decoding": self.plan.decoding})
 
@@ -176,7 +181,8 @@ class Processor:
         model = self.config.model.model_dump() | {"device": placement.device}
         threads = max(1, int(pool.cpus_per_actor))
         resources = {"num_cpus": pool.cpus_per_actor, "num_gpus": placement.gpus}
-        hardware = ray.get(ray.remote(probe_hardware).options(**resources).remote(model, threads))
+        concurrency = pool.concurrent_requests
+        hardware = ray.get(ray.remote(probe_hardware).options(**resources).remote(model, threads, concurrency))
         roots = cache_roots(calibration, output)
         sample = rows = None
         if data is None and not self.plan.requested.task:
@@ -186,7 +192,8 @@ class Processor:
         key = bank_key(self.config.model, fingerprint, hardware, calibration)
         name = key_name(key, label)
         report = {"status": "cached", "key": name, "hardware": f"{hardware.device} x{hardware.threads} "
-                  f"{hardware.dtype}", "prompts": 0, "rows_reused": 0}
+                  f"{hardware.dtype}" + (f" K{concurrency}" if concurrency > 1 else ""), "prompts": 0,
+                  "rows_reused": 0}
         found = find_cached(roots, name)
         if found:
             return self._calibrated(AutoBank(found[0], found[1], report), started)
@@ -202,7 +209,7 @@ class Processor:
         task = ray.remote(calibrate_on_worker).options(**resources, max_retries=1)
         try:
             result = ray.get(task.remote(model, self.config.decoding.model_dump(), threads, rows, work.uri,
-                                         f"{label}-auto", calibration.calibration_budget, label))
+                                         f"{label}-auto", calibration.calibration_budget, label, concurrency))
         except Exception as exc:  # noqa: BLE001 - a failed calibration falls back, it never ends the job
             report.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
             return self._calibrated(AutoBank(None, None, report), started)
@@ -249,13 +256,24 @@ class Processor:
             fn_constructor_kwargs={"model_cfg": self.config.model.model_dump() | {"device": placement.device},
                                    "decoding": self.config.decoding.model_dump(),
                                    "threads": max(1, int(pool.cpus_per_actor)),
-                                   "bank": self.bank_json, "bank_label": self.plan.bank_label},
+                                   "bank": self.bank_json, "bank_label": self.plan.bank_label,
+                                   "concurrency": pool.concurrent_requests},
             batch_size=1,
             batch_format="pyarrow",
-            compute=ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors),
+            compute=actor_pool(pool),
             num_cpus=pool.cpus_per_actor,
             num_gpus=placement.gpus,
         )
+
+
+def actor_pool(pool: PoolConfig) -> ActorPoolStrategy:
+    """The actor pool; with --concurrent-requests K, each actor runs K calls (rows) at once on threads of its own
+    (Ray Data's documented multi-threaded actors), with K more queued so that a lane that empties refills at once."""
+    k = pool.concurrent_requests
+    if k == 1:
+        return ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors)
+    return ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors, max_tasks_in_flight_per_actor=2 * k,
+                             max_concurrent_calls_per_actor=k, enable_true_multi_threading=True)
 
 
 def calibration_sample(samples: "ray.data.Dataset", count: int) -> tuple[pa.Table, list[dict]]:
