@@ -116,6 +116,32 @@ def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path, kind):
 
 
 @pytest.mark.slow
+def test_concurrent_requests_write_the_rows_of_one_at_a_time_once_each_through_an_actor_death(tiny_model_dirs,
+                                                                                              tmp_path):
+    """--concurrent-requests 3: each actor runs three rows at once through one batch; the rows equal a
+    one-at-a-time job's, and an actor that dies with rows in flight has every one of them retried, none twice."""
+    data = write_prompts(tmp_path / "prompts.jsonl", 10)
+    one = run_job(job_args(tiny_model_dirs, data, tmp_path / "one", "--policy", "hydra"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    marker = tmp_path / "crashed"
+    env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q4", "ENTMTP_FAULT_MARKER": str(marker), "ENTMTP_FAULT_KIND": "exit"}
+    args = job_args(tiny_model_dirs, data, tmp_path / "many", "--policy", "hydra", "--concurrent-requests", "3")
+    many = run_job(args, env=env)
+    assert many.returncode == 0, many.stderr[-3000:]
+    assert marker.exists(), "the fault was not injected"
+    want = {r["id"]: r["output_token_ids"] for r in read_output(tmp_path / "one")}
+    rows = read_output(tmp_path / "many")
+    assert sorted(r["id"] for r in rows) == sorted(want) and all(r["error"] is None for r in rows)
+    assert all(r["output_token_ids"] == want[r["id"]] for r in rows)
+    spans = [(r["actor_id"], r["started_at"], r["started_at"] + r["total_s"]) for r in rows]
+    assert any(a == b and s1 < e2 and s2 < e1 for i, (a, s1, e1) in enumerate(spans) for b, s2, e2 in spans[i + 1:]), \
+        "no actor had two rows in flight at once"
+    assert json.loads((tmp_path / "many" / "_manifest.json").read_text())["settings"]["concurrent_requests"] == 3
+    other = run_job(args + ["--resume", "--concurrent-requests", "1"])  # another K is another setting of the rows
+    assert other.returncode == 2 and "concurrent_requests: 3 -> 1" in other.stderr
+
+
+@pytest.mark.slow
 def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own_ray):
     data = write_prompts(tmp_path / "prompts.jsonl", 16)
     out = tmp_path / "out"
