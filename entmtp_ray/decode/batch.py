@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import GenerationResult, PendingStep, Request, SpecDecoder, Verified
+from entmtp_ray.decode.loop import GenerationResult, PendingStep, Request, SpecDecoder, Verified, draft_together
 from entmtp_ray.model.llama import Rows, forward_hidden_batch
 
 
@@ -91,7 +91,7 @@ class BatchDecoder:
             if flight is None:
                 continue
             try:
-                step = self.lanes[slot].draft_step(flight.request)
+                step = self.lanes[slot].choose_step(flight.request)
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
                 done.append(self._drop(slot, exc))
                 continue
@@ -99,6 +99,16 @@ class BatchDecoder:
                 done.append((flight.job, self._leave(slot)))
             else:
                 pending.append((slot, step))
+        if pending:
+            try:
+                drafted = draft_together([self.lanes[slot].drafter for slot, _ in pending],
+                                         [step.buffers for _, step in pending],
+                                         [self.flights[slot].request.root for slot, _ in pending])
+            except Exception as exc:  # noqa: BLE001 - the drafting of every pending request failed
+                return done + [self._drop(slot, exc) for slot, _ in pending]
+            for (_, step), tokens in zip(pending, drafted):
+                step.tokens = tokens
+                step.clock.mark("draft")
         if not pending:
             return done
         try:

@@ -198,6 +198,36 @@ class HydraDrafter:
         return self.vocab_ids[self.projections[head](hidden).topk(k, dim=-1).indices]  # over [rows, K]
 
 
+def draft_together(drafters: list, buffers: list[TreeBuffers], roots: list[int]) -> list[torch.Tensor]:
+    """Each request's tree drafted ([n_i] tokens each, root first), as each drafter's `draft` would, but with one
+    trunk pass and one projection per depth over the expanding parents of every request (lanes of one batch: the
+    same heads, each with its own context vector). Drafters of another kind draft one by one."""
+    first = drafters[0]
+    if len(drafters) == 1 or not all(isinstance(d, HydraDrafter) and d.heads is first.heads for d in drafters):
+        return [d.draft(b, r) for d, b, r in zip(drafters, buffers, roots)]
+    device = first.context.device
+    tokens = [torch.empty(b.num_nodes, dtype=torch.long, device=device) for b in buffers]  # [n_i] each
+    for t, root in zip(tokens, roots):
+        t[0] = root
+    for depth in range(max(len(b.levels) for b in buffers)):
+        active = [(i, b.levels[depth]) for i, b in enumerate(buffers) if depth < len(b.levels)]
+        rows = []
+        for i, level in active:
+            paths = tokens[i][level.parent_paths]  # [parents, d] tokens root..parent
+            parents = paths.shape[0]
+            rows.append(torch.cat([drafters[i].context.expand(parents, -1), first.embed(paths).reshape(parents, -1)],
+                                  dim=-1))
+        head = active[0][1].head_index  # depth d is drafted by head d - 1 in every tree
+        hidden = first.plan.trunks[head](rows[0] if len(rows) == 1 else torch.cat(rows))  # [all parents, H]
+        top = first.top_tokens(head, hidden, max(level.top_k for _, level in active))  # [all parents, k], best first
+        start = 0
+        for (i, level), part in zip(active, rows):
+            mine = top[start:start + part.shape[0], :level.top_k].reshape(-1)  # [parents * top_k]
+            start += part.shape[0]
+            tokens[i][level.node_start: level.node_start + level.child_select.numel()] = mine[level.child_select]
+    return tokens
+
+
 def _row_subset(layer: torch.nn.Linear, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weight and bias of `layer`'s output features `rows`, copied (frozen: later changes to `layer` are not seen)."""
     with torch.no_grad():
@@ -285,7 +315,7 @@ class PendingStep:
     """A step between its drafting and its verify forward (SpecDecoder.draft_step)."""
 
     buffers: TreeBuffers  # the chosen tree
-    tokens: torch.Tensor  # [n] its drafted tokens, root first
+    tokens: torch.Tensor | None  # [n] its drafted tokens, root first (None until drafted)
     signal: float | None  # the traced signal when the tree was chosen
     clock: _PhaseClock  # the step's phase times so far
 
@@ -411,8 +441,17 @@ class SpecDecoder:
         return self.finish_step(request, pending, verified)
 
     def draft_step(self, request: Request) -> PendingStep | None:
-        """A step's first phases: choose the tree (near the end of the context, one node) and draft its tokens
-        below the root. None, with the request finished, when the context is full."""
+        """A step's first phases: choose the tree and draft its tokens below the root (`choose_step`, then the
+        drafter). None, with the request finished, when the context is full."""
+        pending = self.choose_step(request)
+        if pending is not None:
+            pending.tokens = self.drafter.draft(pending.buffers, request.root)  # [n]
+            pending.clock.mark("draft")
+        return pending
+
+    def choose_step(self, request: Request) -> PendingStep | None:
+        """A step's tree (near the end of the context, one node), its tokens not drafted yet. None, with the
+        request finished, when the context is full."""
         clock = _PhaseClock(self._sync if request.profile else None)
         signal = request.tracer.value if request.tracer is not None else None
         buffers = self.choose(request)
@@ -421,9 +460,7 @@ class SpecDecoder:
             request.finish = "context"
             request.schedule_s += clock.seconds["choose"]
             return None
-        tokens = self.drafter.draft(buffers, request.root)  # [n]
-        clock.mark("draft")
-        return PendingStep(buffers, tokens, signal, clock)
+        return PendingStep(buffers, None, signal, clock)
 
     def finish_step(self, request: Request, pending: PendingStep, verified: Verified) -> StepTrace:
         """A step's phases after its verify forward: accept a path and the token after it, commit it to both

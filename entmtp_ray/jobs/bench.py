@@ -10,6 +10,11 @@ report (report.md, report.json, plots) to OUTPUT. Lossless checks: at T=0 each s
 AR's (a difference passes only as a float tie at its first token), at every T the output's
 negative log-likelihood under the base model. Exits 1 if a greedy output differs from AR's.
 llama.cpp joins when `llama-cpp-python` is installed (`pip install -e .[llamacpp]`).
+
+Throughput mode (`--concurrent-requests 1 2 4 8`): instead, aggregate output tokens/s of the whole prompt set at
+each K (requests in flight in one process, as one actor runs them), for ar and entmtp-tau by default, beside
+transformers' continuous batching (`hf-continuous`) and llama.cpp (K=1); `--bank-at K=FILE` gives the entmtp
+policies a bank timed at that K (bench/throughput.py). Writes throughput.md and throughput.json.
 """
 
 from __future__ import annotations
@@ -27,11 +32,15 @@ from pydantic import ValidationError
 
 from entmtp_ray.bench.compare import POLICIES, SYSTEMS, Bench, Prompt, bench_table, weight_read_seconds
 from entmtp_ray.bench.report import throughput_tables, write_report
+from entmtp_ray.bench.throughput import BASELINES as THROUGHPUT_BASELINES
+from entmtp_ray.bench.throughput import OURS as THROUGHPUT_OURS
+from entmtp_ray.bench.throughput import HFContinuous, LlamaCppOne, check_greedy, run_all, summarize
+from entmtp_ray.bench.throughput import markdown as throughput_markdown
 from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL, DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.loading import available_depth, draft_vocab_for
-from entmtp_ray.pipeline.assemble import BANK_POLICIES, load_stack
+from entmtp_ray.pipeline.assemble import BANK_POLICIES, load_stack, policy_for
 from entmtp_ray.pipeline.engine import encode_checked
 from entmtp_ray.pipeline.tasks import load_prompts
 
@@ -43,7 +52,7 @@ def parse(argv):
                     defaults={"max_new_tokens": 128})
     p.add_argument("--subset", default=None, choices=["all", "tune", "eval"],
                    help="rows of a task (default: eval, the prompts no bank or head saw; all for --dataset)")
-    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
+    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS + ("hf-continuous",),
                    help="default: all that apply (entmtp-* need a bank, llama-cpp its package and the embedded model)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--acceptances", nargs="+", default=["typical", "exact"], choices=["typical", "exact"],
@@ -52,6 +61,11 @@ def parse(argv):
                    help="more banks, each run as system entmtp-tau@NAME in the same interleaved run (e.g. an auto bank "
                    "beside the shipped one)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the bank's)")
+    p.add_argument("--concurrent-requests", type=int, nargs="+", default=None, metavar="K",
+                   help="throughput mode: aggregate tokens/s of all prompts at each K requests in flight")
+    p.add_argument("--bank-at", nargs="+", default=[], metavar="K=FILE",
+                   help="throughput mode: the bank the entmtp policies use at K (default: --bank or the task's)")
+    p.add_argument("--repeats", type=int, default=1, help="throughput mode: passes over every configuration")
     p.add_argument("--output", required=True, help="directory for rows/ (Parquet) and the report")
     add_config_args(p, ModelConfig)
     return p, p.parse_args(argv)
@@ -76,6 +90,8 @@ def choose_systems(requested, model: str, bank_path: Path | None) -> list[str]:
 def main(argv=None) -> int:
     parser, args = parse(argv)
     quiet_logging()
+    if args.concurrent_requests:
+        return throughput_main(args)
     try:
         model_cfg = config_from_args(ModelConfig, args)
         wants_bank = args.systems is None or any(s in BANK_POLICIES for s in args.systems)
@@ -85,6 +101,8 @@ def main(argv=None) -> int:
             bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
         elif args.systems is not None and wants_bank:
             raise ValueError("the entmtp-* systems need a topology bank: pass --task or --bank")
+        if "hf-continuous" in (args.systems or []):
+            raise ValueError("--systems hf-continuous runs in throughput mode only: add --concurrent-requests K ...")
         systems = choose_systems(args.systems, model_cfg.model, bank_path)
         other_banks = {}
         for spec in args.also_bank:
@@ -154,6 +172,92 @@ def main(argv=None) -> int:
     print(json.dumps({"output": str(output.resolve()), "report": str((output / "report.md").resolve()),
                       "systems": systems, "prompts": len(prompts), "rows": len(rows), "ties": len(ties),
                       "differs": len(differs), "seconds": round(time.time() - started, 1)}), flush=True)
+    return 1 if differs else 0
+
+
+def throughput_main(args) -> int:
+    """--concurrent-requests: the K table (bench/throughput.py)."""
+    try:
+        model_cfg = config_from_args(ModelConfig, args)
+        ks = list(dict.fromkeys(args.concurrent_requests))
+        if min(ks) < 1 or args.repeats < 1:
+            raise ValueError("--concurrent-requests and --repeats must be >= 1")
+        systems = list(dict.fromkeys(args.systems or ["ar", "entmtp-tau", "hf-continuous"] +
+                                     (["llama-cpp"] if importlib.util.find_spec("llama_cpp") else [])))
+        unknown = [s for s in systems if s not in THROUGHPUT_OURS + THROUGHPUT_BASELINES]
+        if unknown:
+            raise ValueError(f"throughput mode runs {', '.join(THROUGHPUT_OURS + THROUGHPUT_BASELINES)}; not {unknown}")
+        if "ar" not in systems:
+            systems.insert(0, "ar")  # the reference of the greedy checks and ratios
+        choose_systems([s for s in systems if s != "hf-continuous"], model_cfg.model, None)  # llama-cpp's checks
+        depth, name = available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name
+        banks = {}
+        if any(s.startswith("entmtp") for s in systems):
+            default = resolve_bank_path(model_cfg.model, args.task, args.bank)
+            banks = {k: (load_bank(default, depth, name), default) for k in ks}
+            for spec in args.bank_at:
+                k, sep, file = spec.partition("=")
+                if not sep or not k.isdigit() or int(k) not in ks:
+                    raise ValueError(f"--bank-at {spec}: write K=FILE with K one of --concurrent-requests {ks}")
+                banks[int(k)] = (load_bank(file, depth, name), file)
+        subset = args.subset or ("eval" if args.task else "all")
+        table = load_prompts(args.task, args.dataset, args.split, args.prompt_column, args.id_column,
+                             args.messages_column, args.limit, args.seed, subset)
+    except (ValueError, ValidationError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    stack = load_stack(model_cfg, with_heads=bool(banks))
+    loaded = stack.loaded
+    prompts = []
+    for row in table.select(["id", "prompt", "_messages", "_input_error"]).to_pylist():
+        if row["_input_error"]:
+            continue
+        try:
+            ids = encode_checked(loaded, json.loads(row["_messages"]) if row["_messages"] else row["prompt"],
+                                 args.max_input_tokens)
+        except ValueError:
+            continue
+        prompts.append(Prompt(row["id"], row["prompt"], ids))
+    cfg = DecodingConfig(task=args.task, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    decoders, used = {}, {}
+    for system in systems:
+        for k in ks:
+            if system == "ar":
+                decoders[system, k] = decoders.get(("ar", ks[0])) or stack.decoder(policy_for(cfg.model_copy(
+                    update={"policy": "ar"}), None))
+            elif system in THROUGHPUT_OURS:
+                bank, label = banks[k]
+                decoders[system, k] = stack.decoder(policy_for(cfg.model_copy(update={"policy": system}), bank))
+                used[f"{system} K={k}"] = str(label)
+                if bank.hardware.concurrency != k:
+                    print(f"note: {system} at K={k} runs bank {label}, timed at K={bank.hardware.concurrency}; "
+                          f"--bank-at {k}=FILE gives it a bank timed at {k}", file=sys.stderr)
+    baselines = {}
+    if "hf-continuous" in systems:
+        baselines["hf-continuous"] = HFContinuous(loaded)
+    if "llama-cpp" in systems:
+        baselines["llama-cpp"] = LlamaCppOne(loaded, threads, args.seed)
+    started = time.time()
+    outcomes = run_all(systems, decoders, baselines, prompts, ks, cfg, args.repeats)
+    greedy = check_greedy(loaded, prompts, outcomes)
+    lines = summarize(outcomes, greedy)
+    setup = {"machine": current_hardware(loaded.device, loaded.dtype).machine, "device": str(loaded.device),
+             "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads, "prompts": len(prompts),
+             "max new tokens": args.max_new_tokens, "repeats": args.repeats}
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    text = throughput_markdown(lines, setup)
+    (output / "throughput.md").write_text(text)
+    (output / "throughput.json").write_text(json.dumps({"setup": setup, "banks": used, "lines": lines,
+                                                         "passes": [o.__dict__ for o in outcomes]}, indent=1))
+    print(text, flush=True)
+    differs = [f"{line['system']} K={line['k']}" for line in lines if line["greedy"] and line["greedy"]["differs"]]
+    if differs:
+        print(f"error: greedy outputs differ from AR's (not a float tie): {differs}", file=sys.stderr)
+    print(json.dumps({"output": str(output.resolve()), "systems": systems, "k": ks, "prompts": len(prompts),
+                      "differs": differs, "seconds": round(time.time() - started, 1)}), flush=True)
     return 1 if differs else 0
 
 

@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", required=True, help="directory for the resumable intermediate results")
     p.add_argument("--threads", type=int, default=1, help="torch threads per actor (as jobs/generate.py "
                    "--cpus-per-actor); the bank's step times are measured with the same")
+    p.add_argument("--concurrent-requests", type=int, default=1, help="requests in flight per actor the bank is "
+                   "for (jobs/generate.py --concurrent-requests): the trees are timed in batches of that many")
     p.add_argument("--max-actors", type=int, default=1)
     p.add_argument("--address", default=None)
     p.add_argument("--rollout-policy", default="ar", choices=["ar", "hydra", "medusa"],
@@ -120,7 +122,10 @@ def main(argv=None) -> int:
         return 0
 
     torch.set_num_threads(args.threads)
-    engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens))
+    if args.concurrent_requests < 1:
+        p.error("--concurrent-requests must be >= 1")
+    engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens),
+                    concurrency=args.concurrent_requests)
     written = pads.dataset(rollout_dir, format="parquet").to_table(
         columns=["id", "prompt", "output_token_ids", "error"]).to_pylist()
     rows = [CalibrationRow(r["id"], r["prompt"], r["output_token_ids"]) for r in written if not r["error"]]

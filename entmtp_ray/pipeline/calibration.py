@@ -91,8 +91,6 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
     for name, topology in trees.items():
         decoders[name] = engine.stack.decoder(FixedTree(name, topology))
         decoders[name].generate(engine.encode(prompts[0]), cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
-    batches = {name: BatchDecoder(decoder, concurrency) for name, decoder in decoders.items()} \
-        if concurrency > 1 else {}
     encoded = [engine.encode(prompt) for prompt in prompts]
     names = list(trees)
     rounds: list[dict[str, float]] = saved.get("rounds", [])  # per prompt: tree -> seconds per step
@@ -108,7 +106,8 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
                 prefill.append(result.prefill_s)
             else:
                 group = [encoded[(k + j) % len(encoded)] for j in range(concurrency)]
-                rounds[k][name], seconds = _batched_step_seconds(batches[name], group, cfg, engine.loaded.device)
+                rounds[k][name], seconds = _batched_step_seconds(decoders[name], concurrency, group, cfg,
+                                                                 engine.loaded.device)
                 prefill.append(seconds)
         cache.write_text(json.dumps({"trees": shapes, "rounds": rounds, "prefill": prefill}))
     steps = {}
@@ -119,22 +118,25 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
     return steps, sum(prefill) / len(prefill)
 
 
-def _batched_step_seconds(batch: BatchDecoder, group: list[list[int]], cfg: DecodingConfig,
+def _batched_step_seconds(decoder, concurrency: int, group: list[list[int]], cfg: DecodingConfig,
                           device) -> tuple[float, float]:
-    """(median seconds of a batched step while every lane is in flight, mean prefill seconds) of `group`'s prompts
-    decoded together. Steps after the first request finished (fewer rows, a cheaper step) count only when no
-    step ran full."""
-    prefills, full, partial = [], [], []
+    """(median seconds of a batched step while all `concurrency` lanes are in flight, mean prefill seconds) of
+    `group`'s prompts decoded together; the run ends when the first request finishes (a step of fewer rows is
+    cheaper, and is not what a busy actor pays). A request that finishes in its prefill leaves its lane empty:
+    then the partial steps are what there is."""
+    batch = BatchDecoder(decoder, concurrency)
+    prefills, times = [], []
     for j, ids in enumerate(group):
         start = time.perf_counter()
         batch.admit(Job(j, ids, cfg, row_generator(0, str(j), device)))
         prefills.append(time.perf_counter() - start)
     while batch.running:
-        lanes = batch.running
         start = time.perf_counter()
-        batch.step()
-        (full if lanes == batch.slots else partial).append(time.perf_counter() - start)
-    return statistics.median(full or partial), sum(prefills) / len(prefills)
+        done = batch.step()
+        times.append(time.perf_counter() - start)
+        if done or batch.running < concurrency:
+            break
+    return statistics.median(times), sum(prefills) / len(prefills)
 
 
 def project_relative(path: str) -> str:
