@@ -14,8 +14,8 @@ import torch
 from pydantic import BaseModel, ValidationError
 from transformers.utils import logging as transformers_logging
 
-from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.pipeline.engine import Engine
+from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig
+from entmtp_ray.pipeline.engine import Engine, RowRequest
 from entmtp_ray.pipeline.sources import LINE_ERROR, LINE_ID, POS, open_file, read_file, resolve_filesystem
 from entmtp_ray.pipeline.sampling import SAMPLING_COLUMN, check_row
 
@@ -110,20 +110,36 @@ def read_prompts(args) -> list[tuple[str, object, str | None, object]]:
 
 def cmd_generate(args) -> int:
     try:
-        engine = Engine(config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args))
+        concurrency = config_from_args(PoolConfig, args).concurrent_requests
+        engine = Engine(config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args),
+                        concurrency=concurrency)
         prompts = read_prompts(args)
     except (ValueError, ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine.warm_up()
+    samples = []  # one line per sample, as the job writes one row per sample
     for row_id, prompt, error, params in prompts:
         overrides, n, problem = check_row(engine.decoding, params) if not error else ({}, 1, None)
-        for index in range(n):  # one line per sample, as the job writes one row per sample
-            if error or problem:
-                row = engine.error_row(row_id, prompt, error or problem, index)
-            else:
-                row = engine.run(row_id, prompt, sample_index=index, overrides=overrides)
-            print(json.dumps(row), flush=True)
+        samples += [(row_id, prompt, error or problem, overrides, index) for index in range(n)]
+
+    # --concurrent-requests K: K samples in flight (Engine.run_many); lines print in input order as they complete
+    lines: dict[int, dict] = {}
+    good = []
+    for i, (row_id, prompt, problem, _, index) in enumerate(samples):
+        if problem:
+            lines[i] = engine.error_row(row_id, prompt, problem, index)
+        else:
+            good.append(i)
+    printed = 0
+    for k, line in engine.run_many(RowRequest(samples[i][0], samples[i][1], None, samples[i][4], samples[i][3])
+                                   for i in good):
+        lines[good[k]] = line
+        while printed in lines:
+            print(json.dumps(lines.pop(printed)), flush=True)
+            printed += 1
+    for i in sorted(lines):  # error rows after the last decoded one
+        print(json.dumps(lines[i]), flush=True)
     return 0
 
 
@@ -185,6 +201,7 @@ def main(argv=None) -> int:
     src.add_argument("--prompts-file", help='JSONL with {"id", "prompt"} per line, and optionally "sampling_params" (README: per-row settings)')
     add_config_args(gen, ModelConfig)
     add_config_args(gen, DecodingConfig)
+    add_config_args(gen, PoolConfig, only=("concurrent_requests",))
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ev = sub.add_parser("eval-heads", help="per-head top-1 on held-out text and tau per task with a tree")
     add_config_args(ev, ModelConfig)

@@ -45,6 +45,21 @@ def test_bad_rows_become_error_rows_and_good_rows_still_run(tmp_path):
     assert all(rows[k]["output_text"] is None for k in ("empty", "long", "number", "prompts.jsonl:line-5"))
 
 
+@pytest.mark.slow
+def test_concurrent_requests_print_the_one_at_a_time_rows_in_input_order(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["What is the capital of France?", "Name a colour.", "   ", "Count to three.", "Write a haiku."]
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    common = ("--prompts-file", str(prompts), "--policy", "entmtp-star", "--task", "gsm8k", "--dtype", "fp32",
+              "--max-new-tokens", "12")
+    one, three = run_cli(*common), run_cli(*common, "--concurrent-requests", "3")
+    assert one.returncode == 0 and three.returncode == 0, three.stderr
+    rows_one, rows_three = (list(map(json.loads, p.stdout.splitlines())) for p in (one, three))
+    assert [r["id"] for r in rows_three] == [f"p{i}" for i in range(5)]
+    assert [r["output_token_ids"] for r in rows_three] == [r["output_token_ids"] for r in rows_one]
+    assert "empty prompt" in rows_three[2]["error"]
+
+
 def test_sampling_uses_exact_acceptance_unless_typical_is_asked_for():
     from pydantic import ValidationError
 

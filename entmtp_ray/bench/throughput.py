@@ -5,8 +5,10 @@ One process, its threads, every configuration (system, K) decoding all prompts, 
 that the machine's noise falls on all alike. Aggregate tokens/s = all output tokens / the wall time of the whole
 set (the figure a labeling job is paid in); per-row tokens/s = a row's tokens over its own time in flight. Greedy
 outputs are checked against AR's at K=1 (equal | tie | differs, as jobs/bench.py does). Baselines:
-`hf-continuous`, transformers' continuous batching (`generate_batch`, at most K requests per batch), and
-`llama-cpp`, one sequence at a time (llama-cpp-python decodes one), so at K=1 only. Knows nothing about Ray.
+`hf-generate`, transformers `generate` on static batches of K left-padded prompts (each batch runs until its
+longest row ends); `hf-continuous`, transformers' continuous batching (`generate_batch`, at most K requests per
+batch); `llama-cpp`, one sequence at a time (llama-cpp-python decodes one), so at K=1 only. Knows nothing about
+Ray.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from entmtp_ray.decode.loop import GenerationResult, SpecDecoder, row_generator
 from entmtp_ray.model.loading import LoadedModel, synchronize
 
 OURS = ("ar", "entmtp-star", "entmtp-tau")
-BASELINES = ("hf-continuous", "llama-cpp")
+BASELINES = ("hf-generate", "hf-continuous", "llama-cpp")
 
 
 @dataclass
@@ -72,6 +74,35 @@ def run_ours(decoder: SpecDecoder, k: int, prompts: list[Prompt], cfg: DecodingC
         outcome.step_tokens += sum(s.accepted_length for s in result.steps)
         outcome.nodes += sum(s.nodes for s in result.steps)
     return outcome
+
+
+class HFStatic:
+    """transformers `generate`, greedy, on batches of K prompts left-padded to the longest (its own batching)."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+
+    def run(self, k: int, prompts: list[Prompt], cfg: DecodingConfig, repeat: int) -> Outcome:
+        eos = sorted(self.loaded.eos_token_ids)
+        device = self.loaded.device
+        outcome = Outcome("hf-generate", k, repeat, 0.0, 0, {})
+        synchronize(device)
+        start = time.perf_counter()
+        for first in range(0, len(prompts), k):
+            group = prompts[first:first + k]
+            width = max(len(p.ids) for p in group)
+            ids = torch.tensor([[eos[0]] * (width - len(p.ids)) + p.ids for p in group], device=device)
+            mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in group], device=device)
+            with torch.inference_mode():
+                out = self.loaded.model.generate(ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
+                                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+            for p, row in zip(group, out[:, width:].tolist()):
+                cut = next((i + 1 for i, t in enumerate(row) if t in self.loaded.eos_token_ids), len(row))
+                outcome.outputs[p.id] = row[:cut]  # after EOS a finished row is padded
+                outcome.tokens += cut
+        synchronize(device)
+        outcome.wall_s = time.perf_counter() - start
+        return outcome
 
 
 class HFContinuous:

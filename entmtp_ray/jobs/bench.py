@@ -13,7 +13,8 @@ llama.cpp joins when `llama-cpp-python` is installed (`pip install -e .[llamacpp
 
 Throughput mode (`--concurrent-requests 1 2 4 8`): instead, aggregate output tokens/s of the whole prompt set at
 each K (requests in flight in one process, as one actor runs them), for ar and entmtp-tau by default, beside
-transformers' continuous batching (`hf-continuous`) and llama.cpp (K=1); `--bank-at K=FILE` gives the entmtp
+transformers `generate` on batches of K (`hf-generate`) and llama.cpp (K=1); `--systems ... hf-continuous` adds
+transformers' continuous batching (slow on a CPU); `--bank-at K=FILE` gives the entmtp
 policies a bank timed at that K (bench/throughput.py). Writes throughput.md and throughput.json.
 """
 
@@ -34,7 +35,7 @@ from entmtp_ray.bench.compare import POLICIES, SYSTEMS, Bench, Prompt, bench_tab
 from entmtp_ray.bench.report import throughput_tables, write_report
 from entmtp_ray.bench.throughput import BASELINES as THROUGHPUT_BASELINES
 from entmtp_ray.bench.throughput import OURS as THROUGHPUT_OURS
-from entmtp_ray.bench.throughput import HFContinuous, LlamaCppOne, check_greedy, run_all, summarize
+from entmtp_ray.bench.throughput import HFContinuous, HFStatic, LlamaCppOne, check_greedy, run_all, summarize
 from entmtp_ray.bench.throughput import markdown as throughput_markdown
 from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
@@ -182,14 +183,14 @@ def throughput_main(args) -> int:
         ks = list(dict.fromkeys(args.concurrent_requests))
         if min(ks) < 1 or args.repeats < 1:
             raise ValueError("--concurrent-requests and --repeats must be >= 1")
-        systems = list(dict.fromkeys(args.systems or ["ar", "entmtp-tau", "hf-continuous"] +
+        systems = list(dict.fromkeys(args.systems or ["ar", "entmtp-tau", "hf-generate"] +
                                      (["llama-cpp"] if importlib.util.find_spec("llama_cpp") else [])))
         unknown = [s for s in systems if s not in THROUGHPUT_OURS + THROUGHPUT_BASELINES]
         if unknown:
             raise ValueError(f"throughput mode runs {', '.join(THROUGHPUT_OURS + THROUGHPUT_BASELINES)}; not {unknown}")
         if "ar" not in systems:
             systems.insert(0, "ar")  # the reference of the greedy checks and ratios
-        choose_systems([s for s in systems if s != "hf-continuous"], model_cfg.model, None)  # llama-cpp's checks
+        choose_systems([s for s in systems if s in SYSTEMS], model_cfg.model, None)  # llama-cpp's checks
         depth, name = available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name
         banks = {}
         if any(s.startswith("entmtp") for s in systems):
@@ -235,6 +236,8 @@ def throughput_main(args) -> int:
                     print(f"note: {system} at K={k} runs bank {label}, timed at K={bank.hardware.concurrency}; "
                           f"--bank-at {k}=FILE gives it a bank timed at {k}", file=sys.stderr)
     baselines = {}
+    if "hf-generate" in systems:
+        baselines["hf-generate"] = HFStatic(loaded)
     if "hf-continuous" in systems:
         baselines["hf-continuous"] = HFContinuous(loaded)
     if "llama-cpp" in systems:

@@ -21,7 +21,6 @@ import re
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,7 +190,7 @@ def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: lis
     the rollouts decode that many at once, as the job's rows would, and the trees are timed at it."""
     import torch
 
-    from entmtp_ray.pipeline.engine import Engine
+    from entmtp_ray.pipeline.engine import Engine, RowRequest
 
     started = time.time()
     torch.set_num_threads(max(1, threads))
@@ -212,9 +211,12 @@ def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: lis
                 saved[record["id"]] = record
         loaded = time.time()
         todo = [row for row in rows if row["id"] not in saved][:max(0, len(rows) - len(saved))]  # saved ones count
-        with saved_file.open("a") as out, ThreadPoolExecutor(concurrency) as pool:
-            # `concurrency` rows in flight at once through the roller's Batcher; each is saved as it comes back
-            for row, record in zip(todo, pool.map(lambda r: roller.run(r["id"], r["prompt"], _messages(r)), todo)):
+        requests = [RowRequest(row["id"], row["prompt"], _messages(row)) for row in todo]
+        with saved_file.open("a") as out:
+            # `concurrency` rows in flight at once (on this thread, as the actors' Batcher would); each is saved as
+            # it finishes
+            for index, record in roller.run_many(requests):
+                row = todo[index]
                 saved[row["id"]] = record | {"_prompt": _prompt(row)}
                 out.write(json.dumps(saved[row["id"]]) + "\n")
                 out.flush()

@@ -118,11 +118,14 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
     return steps, sum(prefill) / len(prefill)
 
 
+TIMED_BATCH_STEPS = 12  # batched steps timed per prompt group: each costs K requests' tree, so fewer than at K=1
+
+
 def _batched_step_seconds(decoder, concurrency: int, group: list[list[int]], cfg: DecodingConfig,
                           device) -> tuple[float, float]:
     """(median seconds of a batched step while all `concurrency` lanes are in flight, mean prefill seconds) of
-    `group`'s prompts decoded together; the run ends when the first request finishes (a step of fewer rows is
-    cheaper, and is not what a busy actor pays). A request that finishes in its prefill leaves its lane empty:
+    `group`'s prompts decoded together, over at most TIMED_BATCH_STEPS steps; the run ends sooner when the first
+    request finishes (a step of fewer rows is cheaper, and is not what a busy actor pays). A request that finishes in its prefill leaves its lane empty:
     then the partial steps are what there is."""
     batch = BatchDecoder(decoder, concurrency)
     prefills, times = [], []
@@ -130,7 +133,7 @@ def _batched_step_seconds(decoder, concurrency: int, group: list[list[int]], cfg
         start = time.perf_counter()
         batch.admit(Job(j, ids, cfg, row_generator(0, str(j), device)))
         prefills.append(time.perf_counter() - start)
-    while batch.running:
+    while batch.running and len(times) < TIMED_BATCH_STEPS:
         start = time.perf_counter()
         done = batch.step()
         times.append(time.perf_counter() - start)

@@ -11,7 +11,9 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 from pydantic import ValidationError
 
@@ -61,33 +63,50 @@ def encode_checked(loaded: LoadedModel, prompt, max_input_tokens: int) -> list[i
 
 
 class Batcher:
-    """Decodes the requests that any thread submits, up to `slots` at once, on one thread of its own (a
-    BatchDecoder's continuous batching): `generate` blocks its caller until that request is done. How a Ray actor
-    that takes several rows at once (--concurrent-requests) shares one model between them."""
+    """Decodes the requests that any thread submits, up to `slots` at once, on one serving thread (a BatchDecoder's
+    continuous batching): `generate` blocks its caller until that request is done. How a Ray actor that takes
+    several rows at once (--concurrent-requests) shares one model between them.
 
-    def __init__(self, decoder: SpecDecoder, slots: int):
+    `executor`: a one-thread executor to serve on, the thread that loaded the model (GenerateActor's). Every torch
+    op of a process should run on one thread: a second thread that has run one (and lives on) makes each parallel
+    region of the other slower, about 1.4x a step here (docs/design.md §8); without one, a thread of its own."""
+
+    def __init__(self, decoder: SpecDecoder, slots: int, executor: ThreadPoolExecutor | None = None):
         self.batch = BatchDecoder(decoder, slots)
-        self.threads = None  # torch threads, taken from the first caller (OpenMP's setting is per thread)
+        self.executor = executor
         self.jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
+        self.serving: Future | None = None
         self.lock = threading.Lock()
 
     def generate(self, prompt_ids: list[int], cfg: DecodingConfig, generator=None) -> GenerationResult:
         import torch
 
         with self.lock:
-            if self.thread is None:
-                self.threads = torch.get_num_threads()
-                self.thread = threading.Thread(target=self._serve, name="entmtp-batcher", daemon=True)
-                self.thread.start()
+            if self.serving is None or self.serving.done():  # started once (again only if the loop died)
+                threads = torch.get_num_threads()
+                if self.executor is None:
+                    self.executor = ThreadPoolExecutor(1, thread_name_prefix="entmtp-batcher")
+                self.serving = self.executor.submit(self._serve, threads)
         future: Future = Future()
         self.jobs.put(Job(future, prompt_ids, cfg, generator))
         return future.result()
 
-    def _serve(self) -> None:
+    def _serve(self, threads: int) -> None:
         import torch
 
-        torch.set_num_threads(self.threads)
+        torch.set_num_threads(threads)
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the loop: fail every request it holds, none waits forever
+            for flight in self.batch.flights:
+                if flight is not None:
+                    flight.job.tag.set_exception(exc)
+            self.batch.flights = [None] * self.batch.slots
+            while not self.jobs.empty():
+                self.jobs.get().tag.set_exception(exc)
+            raise
+
+    def _loop(self) -> None:
         batch = self.batch
         while True:
             while batch.running < batch.slots:  # fill the free lanes; wait only when none is running
@@ -109,13 +128,26 @@ class Batcher:
                     job.tag.set_result(result)
 
 
+@dataclass
+class RowRequest:
+    """One sample of a prompt (or chat, `messages`) for `Engine.run_many`, with a row's sampling overrides."""
+
+    row_id: object
+    prompt: object
+    messages: list[dict] | None = None
+    sample_index: int = 0
+    overrides: dict | None = None
+
+
 class Engine:
     """`bank`: a bank in hand (a calibrated auto bank, from `bank_label`) instead of the file decoding.bank names;
     `stack`: a loaded model (and heads) to share with another engine of the same model_cfg; `concurrency`: requests
-    decoded at once when `generate` is called from that many threads (a Batcher; 1: each call decodes alone)."""
+    decoded at once, by `run_many` on the calling thread or by `run` called from that many threads (a Batcher,
+    serving on `executor` when given); 1: each request decodes alone."""
 
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
-                 bank_label: str | None = None, stack: Stack | None = None, concurrency: int = 1):
+                 bank_label: str | None = None, stack: Stack | None = None, concurrency: int = 1,
+                 executor: ThreadPoolExecutor | None = None):
         self.model_cfg = model_cfg
         self.concurrency = concurrency
         resolved = plan(model_cfg, decoding, bank, bank_label)
@@ -127,7 +159,7 @@ class Engine:
         self.stack = stack or load_stack(model_cfg, resolved.needs_heads)
         self.loaded = self.stack.loaded
         self.decoder = self.stack.decoder(resolved.policy)
-        self.batcher = Batcher(self.decoder, concurrency) if concurrency > 1 else None
+        self.batcher = Batcher(self.decoder, concurrency, executor) if concurrency > 1 else None
         self.bank_label = resolved.bank_label
         warn_if_bank_elsewhere(self.stack, resolved, concurrency)
         self.actor_id: str | None = None  # set by the Ray actor that owns this engine
@@ -173,19 +205,59 @@ class Engine:
         """The output row for one sample of a prompt (or chat, `messages`), with a row's sampling overrides
         (pipeline/sampling.py). Any failure of this row becomes its `error` ("TypeName: message"; a bad prompt's
         or setting's ValueError says what is wrong); only a failure that means this process is broken (out of
-        memory, a CUDA device error) raises, as EngineBroken."""
+        memory, a CUDA device error) raises, as EngineBroken. With a concurrency above 1, calls from several threads
+        decode together (the Batcher)."""
+        context, job, row = self._start(RowRequest(row_id, prompt, messages, sample_index, overrides))
+        if row is not None:
+            return row
         try:
-            decoding = row_decoding(self.decoding, overrides or {})
+            if self.batcher is not None:
+                result = self.batcher.generate(job.prompt_ids, job.cfg, job.generator)
+            else:
+                result = self.decoder.generate(job.prompt_ids, job.cfg, job.generator)
+        except Exception as exc:  # noqa: BLE001 - judged by _finish
+            return self._finish(context, exc)
+        return self._finish(context, result)
+
+    def run_many(self, requests: Iterable[RowRequest]) -> Iterator[tuple[int, dict]]:
+        """(index in `requests`, output row) of each request as it finishes, up to `concurrency` decoded at once on
+        this thread (rows that cannot start come first); as `run` for each row."""
+        batch = BatchDecoder(self.decoder, self.concurrency)
+        jobs = []
+        for index, request in enumerate(requests):
+            context, job, row = self._start(request)
+            if row is not None:
+                yield index, row
+            else:
+                job.tag = (index, context)
+                jobs.append(job)
+        for job, outcome in batch.run(jobs):
+            index, context = job.tag
+            yield index, self._finish(context, outcome)
+
+    def _start(self, request: RowRequest) -> tuple[RowContext, Job | None, dict | None]:
+        """(context, the job to decode, None), or (context, None, its error row) for a row that cannot start."""
+        try:
+            decoding = row_decoding(self.decoding, request.overrides or {})
         except ValidationError as exc:
-            return error_row(self._context(row_id, prompt, sample_index=sample_index), explain(exc))
-        context = self._context(row_id, prompt, decoding, sample_index)
+            context = self._context(request.row_id, request.prompt, sample_index=request.sample_index)
+            return context, None, error_row(context, explain(exc))
+        context = self._context(request.row_id, request.prompt, decoding, request.sample_index)
         try:
-            result = self.generate(row_id, messages if messages else prompt, decoding, sample_index)
+            ids = self.encode(request.messages if request.messages else request.prompt)
         except ValueError as exc:
-            return error_row(context, str(exc))
-        except Exception as exc:  # noqa: BLE001 - one row's failure is data, not the job's end
-            if process_is_broken(exc):
-                raise EngineBroken(f"row {row_id}: {type(exc).__name__}: {exc}") from exc
-            log.exception("row %s failed", row_id)
-            return error_row(context, f"{type(exc).__name__}: {exc}")
-        return result_row(context, result)
+            return context, None, error_row(context, str(exc))
+        # a row without an id (a user's Dataset may have none) is seeded by its prompt
+        key = sample_key(request.row_id if request.row_id is not None else repr(request.prompt), request.sample_index)
+        return context, Job(None, ids, decoding, row_generator(decoding.seed, key, self.loaded.device)), None
+
+    def _finish(self, context: RowContext, outcome: GenerationResult | BaseException) -> dict:
+        """The row of a decoded request, or of the exception that ended it (EngineBroken: the process is)."""
+        if isinstance(outcome, GenerationResult):
+            return result_row(context, outcome)
+        if isinstance(outcome, ValueError):
+            return error_row(context, str(outcome))
+        if process_is_broken(outcome):
+            raise EngineBroken(f"row {context.id}: {type(outcome).__name__}: {outcome}") from outcome
+        log.error("row %s failed", context.id, exc_info=outcome)
+        return error_row(context, f"{type(outcome).__name__}: {outcome}")

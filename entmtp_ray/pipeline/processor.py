@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -54,6 +55,19 @@ class GenerateActor:
 
     def __init__(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None = None,
                  bank_label: str | None = None, concurrency: int = 1):
+        self.torch_thread = None
+        if concurrency > 1:
+            # Ray runs up to K calls of this actor at once, on threads of its own; each hands its row to the engine's
+            # Batcher, which decodes them together on the thread that loaded the model (all torch work of the
+            # process on one thread, engine.Batcher)
+            self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="entmtp-torch")
+            self.engine = self.torch_thread.submit(self._load, model_cfg, decoding, threads, bank, bank_label,
+                                                   concurrency).result()
+        else:
+            self.engine = self._load(model_cfg, decoding, threads, bank, bank_label, 1)
+
+    def _load(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None, bank_label: str | None,
+              concurrency: int):
         import torch
 
         from entmtp_ray.pipeline.engine import Engine
@@ -62,12 +76,11 @@ class GenerateActor:
             check_assigned_gpu()
         torch.set_num_threads(max(1, threads))
         calibrated = Bank.model_validate_json(bank) if bank else None  # an auto bank, as the job calibrated it
-        # with concurrency K, Ray runs up to K calls of this actor at once (threads), and the engine's Batcher decodes
-        # their rows together
-        self.engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding), calibrated, bank_label,
-                             concurrency=concurrency)
-        self.engine.actor_id = ray.get_runtime_context().get_actor_id()
-        self.engine.warm_up()
+        engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding), calibrated, bank_label,
+                        concurrency=concurrency, executor=self.torch_thread)
+        engine.actor_id = ray.get_runtime_context().get_actor_id()
+        engine.warm_up()
+        return engine
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = []
