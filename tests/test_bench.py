@@ -128,3 +128,29 @@ def test_verify_cost_times_each_tree_on_the_models_device(tiny_model_dirs):
     costs = bench_engine.verify_cost(loaded, loaded.encode_prompt("Hello there"),
                                      {1: load_topology("ar"), 64: load_topology("hydra")}, repeats=2)
     assert set(costs) == {1, 64} and all(ms > 0 for ms in costs.values())
+def test_throughput_mode_tables_every_system_at_every_k_in_one_run(tmp_path, capsys):
+    """--concurrent-requests: each (system, K) decodes all prompts; aggregate rates, ratios to the system's own
+    K=1 and the greedy check against AR at K=1; a bank given for one K runs there."""
+    general = shipped_bank("smollm2-135m-instruct", "general")
+    out = tmp_path / "out"
+    rc = bench_job.main(["--task", "gsm8k", "--dataset", str(ROOT / "tests" / "fixtures" / "gsm8k_train_200.jsonl"),
+                         "--limit", "3", "--max-new-tokens", "8", "--threads", "2", "--concurrent-requests", "1", "2",
+                         "--systems", "ar", "entmtp-tau", "hf-generate", "--bank-at", f"2={general}",
+                         "--output", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout[-3000:]
+    report = json.loads((out / "throughput.json").read_text())
+    lines = {(line["system"], line["k"]): line for line in report["lines"]}
+    assert set(lines) == {(s, k) for s in ("ar", "entmtp-tau", "hf-generate") for k in (1, 2)}
+    for (system, k), line in lines.items():
+        assert line["tokens_per_s"] > 0 and line["tokens"] > 0
+        passes = [p for p in report["passes"] if (p["system"], p["k"]) == (system, k)]
+        assert line["tokens_per_s"] == pytest.approx(passes[0]["tokens"] / passes[0]["wall_s"])
+        assert line["greedy"]["differs"] == 0 and sum(line["greedy"].values()) == 3
+    assert lines["ar", 1]["x_own_k1"] == pytest.approx(1.0) and lines["ar", 1]["greedy"]["equal"] == 3
+    assert lines["ar", 2]["tau"] == pytest.approx(1.0) and lines["entmtp-tau", 1]["tau"] > 1.0
+    assert report["banks"]["entmtp-tau K=2"] == str(general)
+    assert "| entmtp-tau | 2 |" in (out / "throughput.md").read_text()
+    rc = bench_job.main(["--task", "gsm8k", "--concurrent-requests", "1", "2", "--bank-at", f"3={general}",
+                         "--output", str(tmp_path / "bad")])
+    assert rc == 2 and "--bank-at 3=" in capsys.readouterr().err
