@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import json
 import threading
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.batch import BatchDecoder, Job
 from entmtp_ray.decode.loop import SpecDecoder, row_generator
 from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, make_signal
 from entmtp_ray.decode.tree import chain_topology, load_topology, make_topology
-from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.pipeline.engine import Engine
 from oracle import OracleDrafter
+from test_decode_oracle import BRANCHY_PATHS, PROMPT, loaded, reference  # noqa: F401 (fixtures: the tiny model, its AR)
 
-PROMPT = [3, 14, 15, 92, 65, 35]
-BRANCHY_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 
 
 def rotating(call: int, depth: int) -> int | None:
@@ -39,19 +35,6 @@ class FreshOracle(OracleDrafter):
     def begin(self, base_hidden, positions, capacity):
         self.drafts = []
         super().begin(base_hidden, positions, capacity)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_llama):
-    return LoadedModel(name="tiny", model=tiny_llama, tokenizer=SimpleNamespace(decode=lambda ids, **_: ""),
-                       chat_format="raw", dtype=torch.float32, device=torch.device("cpu"), eos_token_ids=frozenset())
-
-
-@pytest.fixture(scope="module")
-def reference(loaded) -> list[int]:
-    with torch.inference_mode():
-        return loaded.model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=48, pad_token_id=0,
-                                     eos_token_id=None)[0, len(PROMPT):].tolist()
 
 
 def switching_policy() -> HysteresisPolicy:
