@@ -221,7 +221,11 @@ class Engine:
 
     def run_many(self, requests: Iterable[RowRequest]) -> Iterator[tuple[int, dict]]:
         """(index in `requests`, output row) of each request as it finishes, up to `concurrency` decoded at once on
-        this thread (rows that cannot start come first); as `run` for each row."""
+        this thread (rows that cannot start come first); as `run` for each row. At concurrency 1, `run` in turn."""
+        if self.concurrency == 1:
+            for index, r in enumerate(requests):
+                yield index, self.run(r.row_id, r.prompt, r.messages, r.sample_index, r.overrides)
+            return
         batch = BatchDecoder(self.decoder, self.concurrency)
         jobs = []
         for index, request in enumerate(requests):
