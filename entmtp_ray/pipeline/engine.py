@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -62,16 +62,39 @@ def encode_checked(loaded: LoadedModel, prompt, max_input_tokens: int) -> list[i
     return ids
 
 
+class TorchThread:
+    """One daemon thread that runs the callables submitted to it, in turn (`submit` -> Future): where a process does
+    all its torch work (see Batcher). A daemon, so a Batcher serving on it forever never holds up the process's
+    exit (a ThreadPoolExecutor's worker is joined at exit, and would)."""
+
+    def __init__(self, name: str = "entmtp-torch"):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self.calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self.calls.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to handle
+                future.set_exception(exc)
+
+
 class Batcher:
     """Decodes the requests that any thread submits, up to `slots` at once, on one serving thread (a BatchDecoder's
     continuous batching): `generate` blocks its caller until that request is done. How a Ray actor that takes
     several rows at once (--concurrent-requests) shares one model between them.
 
-    `executor`: a one-thread executor to serve on, the thread that loaded the model (GenerateActor's). Every torch
+    `executor`: a TorchThread to serve on, the thread that loaded the model (GenerateActor's). Every torch
     op of a process should run on one thread: a second thread that has run one (and lives on) makes each parallel
     region of the other slower, about 1.4x a step here (docs/design.md §8); without one, a thread of its own."""
 
-    def __init__(self, decoder: SpecDecoder, slots: int, executor: ThreadPoolExecutor | None = None):
+    def __init__(self, decoder: SpecDecoder, slots: int, executor: TorchThread | None = None):
         self.batch = BatchDecoder(decoder, slots)
         self.executor = executor
         self.jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
@@ -85,7 +108,7 @@ class Batcher:
             if self.serving is None or self.serving.done():  # started once (again only if the loop died)
                 threads = torch.get_num_threads()
                 if self.executor is None:
-                    self.executor = ThreadPoolExecutor(1, thread_name_prefix="entmtp-batcher")
+                    self.executor = TorchThread("entmtp-batcher")
                 self.serving = self.executor.submit(self._serve, threads)
         future: Future = Future()
         self.jobs.put(Job(future, prompt_ids, cfg, generator))
@@ -147,7 +170,7 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
                  bank_label: str | None = None, stack: Stack | None = None, concurrency: int = 1,
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: TorchThread | None = None):
         self.model_cfg = model_cfg
         self.concurrency = concurrency
         resolved = plan(model_cfg, decoding, bank, bank_label)

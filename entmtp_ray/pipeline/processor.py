@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,7 +31,7 @@ from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.assemble import AUTO, AUTO_BANK, fallback_warning, plan
 from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
                                           data_identity, find_cached, key_name, probe_hardware, store)
-from entmtp_ray.pipeline.engine import EngineBroken
+from entmtp_ray.pipeline.engine import EngineBroken, TorchThread
 from entmtp_ray.pipeline.placement import ActorPlacement, check_device, place_actors
 from entmtp_ray.pipeline.records import output_table
 from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, SAMPLING, expand, sample_key
@@ -60,7 +59,7 @@ class GenerateActor:
             # Ray runs up to K calls of this actor at once, on threads of its own; each hands its row to the engine's
             # Batcher, which decodes them together on the thread that loaded the model (all torch work of the
             # process on one thread, engine.Batcher)
-            self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="entmtp-torch")
+            self.torch_thread = TorchThread()
             self.engine = self.torch_thread.submit(self._load, model_cfg, decoding, threads, bank, bank_label,
                                                    concurrency).result()
         else:
