@@ -45,10 +45,8 @@ class Hardware(BaseModel):
                              "times were measured at: a tree's cost per request depends on how many share a forward")
 
     def same_as(self, other: Hardware) -> bool:
-        return self.setting() == other.setting()
-
-    def setting(self) -> tuple:
-        return self.device, self.threads, self.dtype, self.concurrency
+        return ((self.device, self.threads, self.dtype, self.concurrency)
+                == (other.device, other.threads, other.dtype, other.concurrency))
 
     def describe(self) -> str:
         return (f"{self.device} ({self.threads} threads, {self.dtype}"

@@ -180,16 +180,7 @@ class HydraDrafter:
         self.context = self.heads.context(base_hidden, positions, self.cache, self.rotary, self.plan)[-1]
 
     def draft(self, buffers: TreeBuffers, root: int) -> torch.Tensor:
-        tokens = torch.empty(buffers.num_nodes, dtype=torch.long, device=self.context.device)  # [n]
-        tokens[0] = root
-        for level in buffers.levels:
-            paths = tokens[level.parent_paths]  # [parents, d] tokens root..parent
-            parents, d = paths.shape
-            rows = torch.cat([self.context.expand(parents, -1), self.embed(paths).reshape(parents, -1)], dim=-1)
-            hidden = self.plan.trunks[level.head_index](rows)  # [parents, H]
-            top = self.top_tokens(level.head_index, hidden, level.top_k).reshape(-1)  # [parents * top_k]
-            tokens[level.node_start: level.node_start + level.child_select.numel()] = top[level.child_select]
-        return tokens
+        return draft_together([self], [buffers], [root])[0]
 
     def top_tokens(self, head: int, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """Head `head`'s k best tokens ([rows, k], best first) from its trunk output hidden [rows, H]."""
@@ -199,11 +190,11 @@ class HydraDrafter:
 
 
 def draft_together(drafters: list, buffers: list[TreeBuffers], roots: list[int]) -> list[torch.Tensor]:
-    """Each request's tree drafted ([n_i] tokens each, root first), as each drafter's `draft` would, but with one
-    trunk pass and one projection per depth over the expanding parents of every request (lanes of one batch: the
-    same heads, each with its own context vector). Drafters of another kind draft one by one."""
+    """Each request's tree drafted ([n_i] tokens each, root first) by its HydraDrafter, with one trunk pass and one
+    projection per depth over the expanding parents of every request (lanes of one batch: the same heads, each
+    with its own context vector); one drafter is HydraDrafter.draft. Drafters of another kind draft one by one."""
     first = drafters[0]
-    if len(drafters) == 1 or not all(isinstance(d, HydraDrafter) and d.heads is first.heads for d in drafters):
+    if not all(isinstance(d, HydraDrafter) and d.heads is first.heads for d in drafters):
         return [d.draft(b, r) for d, b, r in zip(drafters, buffers, roots)]
     device = first.context.device
     tokens = [torch.empty(b.num_nodes, dtype=torch.long, device=device) for b in buffers]  # [n_i] each

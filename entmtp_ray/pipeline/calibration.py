@@ -125,8 +125,8 @@ def _batched_step_seconds(decoder, concurrency: int, group: list[list[int]], cfg
                           device) -> tuple[float, float]:
     """(median seconds of a batched step while all `concurrency` lanes are in flight, mean prefill seconds) of
     `group`'s prompts decoded together, over at most TIMED_BATCH_STEPS steps; the run ends sooner when the first
-    request finishes (a step of fewer rows is cheaper, and is not what a busy actor pays). A request that finishes in its prefill leaves its lane empty:
-    then the partial steps are what there is."""
+    request finishes (a step of fewer rows is cheaper, and is not what a busy actor pays). A request that finishes
+    in its prefill leaves its lane empty: then the partial steps are what there is."""
     batch = BatchDecoder(decoder, concurrency)
     prefills, times = [], []
     for j, ids in enumerate(group):

@@ -204,14 +204,20 @@ class Engine:
     def generate(self, row_id, prompt, decoding: DecodingConfig | None = None, sample_index: int = 0
                  ) -> GenerationResult:
         """One sample for a prompt, with the job's settings or a row's own (`decoding`, from row_decoding)."""
-        cfg = decoding or self.decoding
+        return self._decode(self._job(row_id, prompt, decoding or self.decoding, sample_index))
+
+    def _job(self, row_id, prompt, cfg: DecodingConfig, sample_index: int) -> Job:
+        """The prompt's ids (ValueError for a bad one) with its row generator: a row without an id (a user's Dataset
+        may have none) is seeded by its prompt."""
         ids = self.encode(prompt)
-        # a row without an id (a user's Dataset may have none) is seeded by its prompt
         key = sample_key(row_id if row_id is not None else repr(prompt), sample_index)
-        generator = row_generator(cfg.seed, key, self.loaded.device)
+        return Job(None, ids, cfg, row_generator(cfg.seed, key, self.loaded.device))
+
+    def _decode(self, job: Job) -> GenerationResult:
+        """One job decoded alone, or with the other callers' through the Batcher."""
         if self.batcher is not None:
-            return self.batcher.generate(ids, cfg, generator)
-        return self.decoder.generate(ids, cfg, generator)
+            return self.batcher.generate(job.prompt_ids, job.cfg, job.generator)
+        return self.decoder.generate(job.prompt_ids, job.cfg, job.generator)
 
     def _context(self, row_id, prompt, decoding: DecodingConfig | None = None, sample_index: int = 0) -> RowContext:
         return RowContext(id=row_id, prompt=prompt if isinstance(prompt, str) or prompt is None else repr(prompt),
@@ -234,10 +240,7 @@ class Engine:
         if row is not None:
             return row
         try:
-            if self.batcher is not None:
-                result = self.batcher.generate(job.prompt_ids, job.cfg, job.generator)
-            else:
-                result = self.decoder.generate(job.prompt_ids, job.cfg, job.generator)
+            result = self._decode(job)
         except Exception as exc:  # noqa: BLE001 - judged by _finish
             return self._finish(context, exc)
         return self._finish(context, result)
@@ -271,12 +274,11 @@ class Engine:
             return context, None, error_row(context, explain(exc))
         context = self._context(request.row_id, request.prompt, decoding, request.sample_index)
         try:
-            ids = self.encode(request.messages if request.messages else request.prompt)
+            job = self._job(request.row_id, request.messages if request.messages else request.prompt, decoding,
+                            request.sample_index)
         except ValueError as exc:
             return context, None, error_row(context, str(exc))
-        # a row without an id (a user's Dataset may have none) is seeded by its prompt
-        key = sample_key(request.row_id if request.row_id is not None else repr(request.prompt), request.sample_index)
-        return context, Job(None, ids, decoding, row_generator(decoding.seed, key, self.loaded.device)), None
+        return context, job, None
 
     def _finish(self, context: RowContext, outcome: GenerationResult | BaseException) -> dict:
         """The row of a decoded request, or of the exception that ended it (EngineBroken: the process is)."""
