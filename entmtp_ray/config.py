@@ -30,6 +30,10 @@ class ModelConfig(BaseModel):
     device: str = Field("auto", description="cpu | cuda[:N] | auto (a GPU if torch sees one). In the Ray job an actor "
                         "without GPUs (--gpus-per-actor) runs on cpu, one with GPUs on the GPU Ray assigned it, whatever "
                         "N; cuda with no usable GPU is an error, never a CPU run")
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none", description="weight-only quantization of the base model's decoder layers: int8 per output channel, "
+        "int4 in groups of 32 inputs (activations stay in --dtype). Greedy output equals greedy decoding of the same "
+        "quantized model; how far that is from the unquantized one: README (quantized weights)")
     chat_format: Literal["auto", "template", "vicuna_v1.1", "raw"] = Field(
         "auto", description="template = the tokenizer's own; auto picks vicuna_v1.1 for Vicuna models, else the "
         "tokenizer's template when it has one")

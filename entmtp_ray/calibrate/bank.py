@@ -43,14 +43,17 @@ class Hardware(BaseModel):
     machine: str = Field("", description="CPU model / platform, for people reading the file")
     concurrency: int = Field(1, ge=1, description="requests in flight per actor (--concurrent-requests) the step "
                              "times were measured at: a tree's cost per request depends on how many share a forward")
+    quantize: str = Field("none", description="the base model's weight quantization (--quantize) the step times "
+                          "were measured with: it changes what a step of each tree size costs")
 
     def same_as(self, other: Hardware) -> bool:
-        return ((self.device, self.threads, self.dtype, self.concurrency)
-                == (other.device, other.threads, other.dtype, other.concurrency))
+        return ((self.device, self.threads, self.dtype, self.concurrency, self.quantize)
+                == (other.device, other.threads, other.dtype, other.concurrency, other.quantize))
 
     def describe(self) -> str:
-        return (f"{self.device} ({self.threads} threads, {self.dtype}"
-                + (f", {self.concurrency} concurrent requests)" if self.concurrency > 1 else ")"))
+        extra = ([f"{self.concurrency} concurrent requests"] if self.concurrency > 1 else []) + (
+            [f"{self.quantize} weights"] if self.quantize != "none" else [])
+        return f"{self.device} ({', '.join([f'{self.threads} threads', self.dtype, *extra])})"
 
 
 class SignalParams(BaseModel):
@@ -143,11 +146,12 @@ def resolve_bank_path(model_name: str, task: str | None, bank: str | None) -> Pa
     return default_bank_path(model_name, task)
 
 
-def current_hardware(device: torch.device | str, dtype: torch.dtype | str, concurrency: int = 1) -> Hardware:
+def current_hardware(device: torch.device | str, dtype: torch.dtype | str, concurrency: int = 1,
+                     quantize: str = "none") -> Hardware:
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Hardware(device=name, threads=torch.get_num_threads(), dtype=str(dtype).replace("torch.", ""),
-                    machine=machine_name(), concurrency=concurrency)
+                    machine=machine_name(), concurrency=concurrency, quantize=quantize)
 
 
 def save_bank(bank: Bank, path: str | Path) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from entmtp_ray.model.quant import QuantWeight, quantize
+
 # A one-token step on packed (oneDNN bf16) weights runs as this many copies of the token, each
 # seeing the prefix and itself, so that its rows take the kernels a tree's rows take and node 0 of a
 # tree rounds as the one-token step does (§7, §8); fp32 needs no copies.
@@ -57,20 +59,37 @@ class Projection:
     # one-row products through ATen's native bf16 GEMV: faster, but rounding unlike multi-row products,
     # so for drafting only, whose rounding no output depends on (§8, the mkldnn toggle)
     draft_gemv: bool = False
+    # the weight in int8/int4 (--quantize): every product without autograd takes it, on any device (§8)
+    quantized: QuantWeight | None = None
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
-        packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packing():
-            with torch.no_grad():
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str = "none") -> Projection:
+        packed, quantized = None, None
+        with torch.no_grad():
+            if scheme != "none":
+                quantized = quantize(weight, scheme)
+            elif weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packing():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        return cls(weight, bias, packed, weight_key(weight))
+        return cls(weight, bias, packed, weight_key(weight), quantized=quantized)
+
+    @property
+    def scheme(self) -> str:
+        return self.quantized.scheme if self.quantized is not None else "none"
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row rounds the same at every row count, one row included (packed and quantized products,
+        §7), so that a one-token step may run its products on the token alone."""
+        return self.packed is not None or self.quantized is not None
 
     def for_drafting(self) -> Projection:
         """This projection with one-row products through the faster GEMV (`draft_gemv`)."""
         return dataclasses.replace(self, draft_gemv=self.packed is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and not torch.is_grad_enabled():
+            out = self.quantized(x)
+            return out if self.bias is None else out + self.bias
         if self.packed is not None and not torch.is_grad_enabled():
             if x.numel() == x.shape[-1]:
                 if self.draft_gemv:
@@ -102,12 +121,23 @@ def weight_key(weight: torch.Tensor) -> tuple[int, int]:
 
 
 def projection(layer: torch.nn.Linear) -> Projection:
-    """The layer's Projection, built on first use and again if its weight was replaced or updated."""
+    """The layer's Projection, built on first use and again if its weight was replaced or updated, or its
+    quantization (`set_quantization`) changed."""
     cached = layer.__dict__.get("_entmtp_projection")
-    if cached is None or cached.source != weight_key(layer.weight):
-        cached = Projection.of(layer.weight, layer.bias)
+    scheme = quantization(layer)
+    if cached is None or cached.source != weight_key(layer.weight) or cached.scheme != scheme:
+        cached = Projection.of(layer.weight, layer.bias, scheme)
         layer.__dict__["_entmtp_projection"] = cached
     return cached
+
+
+def set_quantization(layer: torch.nn.Linear, scheme: str) -> None:
+    """Mark a linear layer's products for `scheme` (quant.SCHEMES); its Projection is rebuilt on next use."""
+    layer.__dict__["_entmtp_quantize"] = scheme
+
+
+def quantization(layer: torch.nn.Linear) -> str:
+    return layer.__dict__.get("_entmtp_quantize", "none")
 
 
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -127,6 +157,7 @@ class FusedProjections:
     qkv: Projection  # H -> (heads + 2 * kv_heads) * head_dim
     gate_up: Projection  # H -> 2 * I
     source: tuple[tuple[int, int], ...]
+    scheme: str = "none"  # the parts' quantization (`set_quantization` on each)
 
 
 def _share(parts: list[torch.nn.Linear], fused: torch.Tensor, attribute: str) -> None:
@@ -146,7 +177,8 @@ def fused_projections(layer: torch.nn.Module) -> FusedProjections:
     attn, block = layer.self_attn, layer.mlp
     qkv_parts, gate_up_parts = [attn.q_proj, attn.k_proj, attn.v_proj], [block.gate_proj, block.up_proj]
     fused = layer.__dict__.get("_entmtp_fused")
-    if fused is not None and fused.source == _parts_key(qkv_parts + gate_up_parts):
+    scheme = quantization(attn.q_proj)
+    if fused is not None and fused.source == _parts_key(qkv_parts + gate_up_parts) and fused.scheme == scheme:
         return fused
     with torch.inference_mode(False), torch.no_grad():  # plain tensors: the weights stay usable for training
         qkv = torch.cat([p.weight for p in qkv_parts])
@@ -156,8 +188,8 @@ def fused_projections(layer: torch.nn.Module) -> FusedProjections:
         if bias is not None:
             _share(qkv_parts, bias, "bias")
         _share(gate_up_parts, gate_up, "weight")
-    fused = FusedProjections(Projection.of(qkv, bias), Projection.of(gate_up, None),
-                             _parts_key(qkv_parts + gate_up_parts))
+    fused = FusedProjections(Projection.of(qkv, bias, scheme), Projection.of(gate_up, None, scheme),
+                             _parts_key(qkv_parts + gate_up_parts), scheme)
     layer.__dict__["_entmtp_fused"] = fused
     return fused
 
@@ -227,6 +259,22 @@ class ModelPlan:
     layers: tuple[LayerPlan, ...]
     lm_head: Projection
     norm: Norm
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether the layers' products round a row alike at every row count (packed bf16 or quantized)."""
+        return self.layers[0].qkv.row_invariant
+
+
+def quantize_model(model, scheme: str) -> None:
+    """Mark every decoder-layer projection for `scheme` (quant.SCHEMES) and quantize them now, once: a weight the
+    kernel cannot take is an error naming why, before any work. The lm_head stays in the model's dtype: it
+    scores every output token, and quantizing it bought nothing measurable here (§8)."""
+    for layer in model.model.layers:
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                set_quantization(module, scheme)
+    prepare(model)
 
 
 def prepare(model) -> ModelPlan:

@@ -58,23 +58,31 @@ def decoder_layer(layer: torch.nn.Module, x: torch.Tensor, tables, cache: KVCach
 
 @dataclass(frozen=True)
 class Part:
-    """One request's rows [start, end) of a batched forward: its own cache and its mask (`attention_mask`)."""
+    """One request's rows [start, end) of a batched forward: its own cache and its mask (`attention_mask`).
+    `copies`: the rows are copies of one token (a one-token step, `forward_hidden`), which the products compute
+    once: they hold one row of the layer's input and output, and all [start, end) only inside the attention."""
 
     cache: KVCache
     start: int
     end: int
     mask: torch.Tensor | None
+    copies: bool = False
 
 
 def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: list[Part], layer_index: int,
-                        plan: LayerPlan | None = None) -> torch.Tensor:
-    """One LlamaDecoderLayer on the rows of several requests at once (x [1, N, H], `parts` tiling the N rows):
-    the projections and the MLP run once over all rows, the attention once per request over its own cache (the
-    same call, on the same shapes, as the request alone: a part's rows round as they would alone wherever the
-    products are row-independent, docs/design.md §8)."""
+                        plan: LayerPlan | None = None, expand: torch.Tensor | None = None) -> torch.Tensor:
+    """One LlamaDecoderLayer on the rows of several requests at once (x [1, M, H]): the projections and the MLP
+    run once over all rows, the attention once per request over its own cache (the same call, on the same shapes,
+    as the request alone: a part's rows round as they would alone wherever the products are row-independent,
+    docs/design.md §8). `parts` tile the N rows the attention sees; with copies, `expand` ([N]) names each one's
+    row of x (M < N), and the output has x's rows."""
     p = plan or LayerPlan.of(layer)
-    n, hd, heads, kv_heads = x.shape[1], p.head_dim, p.heads, p.kv_heads
-    qkv = p.qkv(p.input_norm(x)[0]).view(n, -1, hd).transpose(0, 1)  # [heads + 2kv, n, hd]
+    hd, heads, kv_heads = p.head_dim, p.heads, p.kv_heads
+    qkv = p.qkv(p.input_norm(x)[0])  # [M, (heads + 2kv) * hd]
+    if expand is not None:
+        qkv = qkv.index_select(0, expand)
+    n = qkv.shape[0]
+    qkv = qkv.view(n, -1, hd).transpose(0, 1)  # [heads + 2kv, n, hd]
     cos, signed_sin = tables  # [1, n, hd] each
     qk = qkv[:heads + kv_heads]
     qk = qk * cos + qk.roll(hd // 2, -1) * signed_sin  # rotary on q and k at once
@@ -88,9 +96,11 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
         out = F.scaled_dot_product_attention(
             qk[:heads, rows].contiguous().view(1, kv_heads, -1, hd), keys[None], values[None], attn_mask=part.mask,
             scale=p.scaling)  # [1, kv_heads, (heads / kv_heads) * m, hd], the rows of one group's heads in turn
-        outs.append(out.view(heads, m, hd).transpose(0, 1).reshape(m, -1))
+        out = out.view(heads, m, hd).transpose(0, 1)
+        # a copy sees only the prefix and itself: the first row is the token's (the others equal it)
+        outs.append(out[:1].reshape(1, -1) if part.copies else out.reshape(m, -1))
     x = x + p.o((outs[0] if len(outs) == 1 else torch.cat(outs))[None])
-    gate, up = p.gate_up(p.post_attention_norm(x)).chunk(2, dim=-1)  # [1, n, I] each
+    gate, up = p.gate_up(p.post_attention_norm(x)).chunk(2, dim=-1)  # [1, M, I] each
     return x + p.down(p.act(gate) * up)
 
 
@@ -100,8 +110,8 @@ def forward_hidden(model, cache: KVCache, tokens: torch.Tensor, positions: torch
 
     New tokens see all committed cache entries plus `tree_mask` among themselves (causal when
     None). Their k/v land in the cache's pending block; the caller decides what to keep. One token
-    on packed weights writes `ONE_TOKEN_ROWS` pending entries where the cache has room (the first
-    is the token's).
+    on row-invariant products (packed or quantized, `ModelPlan.row_invariant`) writes `ONE_TOKEN_ROWS` pending
+    entries where the cache has room (the first is the token's).
     `plan`: from `prepare(model)`, for callers that run many forwards on unchanged weights.
     """
     return forward_hidden_batch(model, [Rows(cache, tokens, positions, tree_mask)], plan)[0]
@@ -123,27 +133,30 @@ def forward_hidden_batch(model, requests: list[Rows], plan: ModelPlan | None = N
     own cache. The products run once over all rows (the weights are read once for every request); each
     request attends over its own cache with its own mask, as it would alone (`decoder_layer_parts`)."""
     base, plan = model.model, plan or prepare(model)
-    packed = plan.lm_head.packed is not None
     device = requests[0].tokens.device
-    tokens, positions, parts, keep, start = [], [], [], [], 0
+    tokens, positions, parts, start = [], [], [], 0
+    expand, compact = [], 0  # each attention row's row of the products, and how many rows those have
     for r in requests:
         t, pos, tree_mask, cache = r.tokens, r.positions, r.tree_mask, r.cache
-        keep.append(t.numel())
-        if t.numel() == 1 and packed and cache.length + ONE_TOKEN_ROWS <= cache.capacity:
-            # copies that see only themselves: the token's row takes the kernels a tree's rows take
-            t, pos = t.expand(ONE_TOKEN_ROWS), pos.expand(ONE_TOKEN_ROWS)
-            tree_mask = torch.eye(ONE_TOKEN_ROWS, dtype=torch.bool, device=device)
-        n = t.numel()
+        copies = t.numel() == 1 and plan.row_invariant and cache.length + ONE_TOKEN_ROWS <= cache.capacity
+        if copies:
+            # copies that see only themselves: the token's attention takes the kernel a tree's rows take (its
+            # products round alike at any row count, so they run on the token alone)
+            pos, tree_mask = pos.expand(ONE_TOKEN_ROWS), torch.eye(ONE_TOKEN_ROWS, dtype=torch.bool, device=device)
+        n = pos.numel()
         parts.append(Part(cache, start, start + n, attention_mask(tree_mask, cache.length, n, device,
-                                                                   plan.layers[0].groups)))
+                                                                   plan.layers[0].groups), copies))
+        expand.extend([compact] * n if copies else range(compact, compact + n))
+        compact += t.numel()
         tokens.append(t)
         positions.append(pos)
         start += n
+    rows = [t.numel() for t in tokens]
     tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
     positions = positions[0] if len(positions) == 1 else torch.cat(positions)
-    x = base.embed_tokens(tokens)[None]  # [1, N, H]
+    expand = None if compact == start else torch.tensor(expand, device=device)
+    x = base.embed_tokens(tokens)[None]  # [1, M, H]
     tables = rotary_tables(base.rotary_emb, x, positions)
     for i, (layer, layer_plan) in enumerate(zip(base.layers, plan.layers)):
-        x = decoder_layer_parts(layer, x, tables, parts, i, layer_plan)
-    hidden = plan.norm(x)[0]  # [N, H]
-    return [hidden[part.start:part.start + n] for part, n in zip(parts, keep)]
+        x = decoder_layer_parts(layer, x, tables, parts, i, layer_plan, expand)
+    return list(plan.norm(x)[0].split(rows))  # [n_i, H] each

@@ -23,6 +23,8 @@ from entmtp_ray.assets import shipped_heads
 from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model import hub
 from entmtp_ray.model.heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
+from entmtp_ray.model.kernels import quantize_model
+from entmtp_ray.model.quant import SCHEMES
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: frozenset[int]
+    quantize: str = "none"  # quant.SCHEMES: the base model's products in int8/int4 (kernels.quantize_model)
 
     @property
     def max_positions(self) -> int:
@@ -126,10 +129,10 @@ def cpu_has_native_bf16() -> bool:
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def pick_dtype(dtype: str, device: torch.device, quantize: str = "none") -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.float16
+            return torch.bfloat16 if quantize == "int4" else torch.float16  # tinygemm's int4 takes bf16 only
         return torch.bfloat16 if cpu_has_native_bf16() and torch.backends.mkldnn.is_available() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {['auto', *DTYPES]}")
@@ -204,13 +207,15 @@ def check_model_source(name: str) -> None:
 
 
 def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "auto",
-               chat_format: str = "auto") -> LoadedModel:
+               chat_format: str = "auto", quantize: str = "none") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if chat_format not in CHAT_FORMATS:
         raise ValueError(f"--chat-format {chat_format!r}: choose one of {list(CHAT_FORMATS)}")
+    if quantize not in SCHEMES:
+        raise ValueError(f"--quantize {quantize!r}: choose one of {list(SCHEMES)}")
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
+    torch_dtype = pick_dtype(dtype, dev, quantize)
     path = resolve_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -229,6 +234,8 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
         raise ValueError(f"--model {name}: architecture '{model.config.model_type}' is not supported; "
                          "Llama-family models (llama, mistral) are")
     model.to(dev).eval().requires_grad_(False)
+    if quantize != "none":
+        quantize_model(model, quantize)
     if chat_format == "auto":
         if "vicuna" in name.lower():
             chat_format = "vicuna_v1.1"
@@ -239,7 +246,7 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, chat_format=chat_format, dtype=torch_dtype,
-                       device=dev, eos_token_ids=frozenset(eos_ids))
+                       device=dev, eos_token_ids=frozenset(eos_ids), quantize=quantize)
 
 
 def default_heads_path(model_name: str) -> Path | None:

@@ -148,7 +148,7 @@ class Stack:
 
 def load_stack(model_cfg: ModelConfig, with_heads: bool) -> Stack:
     """The model of `model_cfg`, and its heads and drafter when `with_heads`."""
-    loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format)
+    loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format, model_cfg.quantize)
     if not with_heads:
         return Stack(loaded, None, None, 0)
     heads = load_model_heads(loaded, model_cfg.heads)
@@ -161,5 +161,6 @@ def warn_if_bank_elsewhere(stack: Stack, resolved: Plan, concurrency: int = 1) -
     """A bank measured on other hardware (or at another concurrency) still runs (its trees may just be slower
     here): warn once."""
     if resolved.bank is not None:
-        warn_if_other_hardware(resolved.bank, current_hardware(stack.loaded.device, stack.loaded.dtype, concurrency),
+        warn_if_other_hardware(resolved.bank, current_hardware(stack.loaded.device, stack.loaded.dtype, concurrency,
+                                                                 stack.loaded.quantize),
                                resolved.bank_label)

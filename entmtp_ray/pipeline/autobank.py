@@ -68,7 +68,8 @@ def probe_hardware(model_cfg: dict, threads: int, concurrency: int = 1) -> Hardw
 
     torch.set_num_threads(max(1, threads))
     device = pick_device(model_cfg["device"])
-    return current_hardware(device, pick_dtype(model_cfg["dtype"], device), concurrency)
+    quantize = model_cfg.get("quantize", "none")
+    return current_hardware(device, pick_dtype(model_cfg["dtype"], device, quantize), concurrency, quantize)
 
 
 def data_identity(task: str | None, files: list[tuple[str, int]] | None = None, dataset: str | None = None,
@@ -93,9 +94,10 @@ def bank_key(model_cfg: ModelConfig, data: str, hardware: Hardware, calibration:
     """Everything an auto bank depends on (compared whole: a bank is reused only for the same key)."""
     vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
     return {"version": BANK_VERSION, "model": model_cfg.model, "chat_format": model_cfg.chat_format,
-            # concurrency 1 is left out, so banks cached before it was a setting keep their keys
+            # concurrency 1 and no quantization are left out, so banks cached before they were settings keep their keys
             "heads": heads_identity(model_cfg)[1], "data": data,
-            "hardware": hardware.model_dump(exclude={"concurrency"} if hardware.concurrency == 1 else None),
+            "hardware": hardware.model_dump(exclude={name for name, old in (("concurrency", 1), ("quantize", "none"))
+                                                     if getattr(hardware, name) == old}),
             "draft_vocab": len(vocab) if vocab else 0, "prompts": calibration.calibration_prompts,
             "budget": calibration.calibration_budget}
 

@@ -184,7 +184,8 @@ def build_bank(engine: Engine, rows: list[CalibrationRow], timing_prompts: list,
     policy, figures = choose_policies(measured, trees, seconds, prefill * len(measured), frontier, lengths=lengths)
     bank = Bank(
         model=Path(engine.model_cfg.model).name, heads=project_relative(engine.heads_label), task=name,
-        hardware=current_hardware(engine.loaded.device, engine.loaded.dtype, engine.concurrency),
+        hardware=current_hardware(engine.loaded.device, engine.loaded.dtype, engine.concurrency,
+                                  engine.loaded.quantize),
         calibration={**calibration, "prompts": len(measured), "max_new_tokens": max_new_tokens,
                      "positions": table.rows},
         created=datetime.date.today().isoformat(),

@@ -1,0 +1,102 @@
+"""Weight-only quantization of the base model's linear layers (`--quantize`): per-channel symmetric int8 and
+group-wise asymmetric int4, computed by ATen's own weight-only kernels (the ones gpt-fast and torchao's CPU and
+tinygemm layouts call): `_weight_int8pack_mm`, and `_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` (CUDA).
+The activations stay in the model's dtype; only the weights are stored in fewer bits. Why these kernels and what
+they cost: docs/design.md §8. Knows nothing about layers, attention or trees: kernels.Projection calls `QuantWeight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCHEMES = ("none", "int8", "int4")
+# int4 groups along the input dimension: 32 weights share a scale and a zero. 32 and 64 cost the same on this
+# CPU (docs/design.md §8), and 32 is the block of the embedded model's own Q4_1 weights, so it keeps them exactly
+# up to the scale's rounding
+INT4_GROUP = 32
+_CUDA_INNER_K_TILES = 8  # tinygemm's layout (gpt-fast's default); the input dimension must divide by 16 * 8
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """One weight [out, in] in `scheme`, packed for its device's kernel; called as x W^T for x [..., in]."""
+
+    scheme: str  # int8 | int4
+    data: torch.Tensor  # int8 [out, in] | int4 packed for the device's kernel
+    scales: torch.Tensor  # int8: [out]; int4: [in / group, out, 2] scale and zero, in the activations' dtype
+    out_features: int
+    group: int = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        if self.scheme == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.data, self.scales)
+        elif flat.device.type == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.data, self.group, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm(flat, self.data, self.group, self.scales)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def unsupported(weight: torch.Tensor, scheme: str) -> str | None:
+    """Why `weight` ([out, in]) cannot take `scheme` on its device (a shape the kernel does not take), else None."""
+    out_features, in_features = weight.shape
+    if scheme == "int4":
+        if in_features % INT4_GROUP:
+            return f"its input size {in_features} is not a multiple of the int4 group ({INT4_GROUP})"
+        if weight.device.type == "cpu" and out_features % 16:
+            return f"its output size {out_features} is not a multiple of 16 (the CPU int4 kernel's block)"
+        if weight.device.type == "cuda":
+            if weight.dtype != torch.bfloat16:
+                return "CUDA's int4 kernel (tinygemm) takes bf16 activations only: run --dtype bf16"
+            if in_features % (16 * _CUDA_INNER_K_TILES) or out_features % 8:
+                return f"its shape {tuple(weight.shape)} does not tile for CUDA's int4 kernel (in % 128, out % 8)"
+    return None
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> QuantWeight:
+    """`weight` ([out, in], any float dtype) quantized for its device; the scales take the weight's dtype, which is
+    the activations' dtype the kernels need."""
+    problem = unsupported(weight, scheme)
+    if problem:
+        raise ValueError(f"--quantize {scheme}: a weight of shape {tuple(weight.shape)} cannot be quantized: {problem}")
+    w = weight.detach().float()
+    if scheme == "int8":
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
+        data = torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+        return QuantWeight("int8", data, scales, weight.shape[0])
+    if scheme != "int4":
+        raise ValueError(f"--quantize {scheme!r}: choose one of {list(SCHEMES)}")
+    values, scales_zeros = quantize_int4(w, INT4_GROUP, weight.dtype)
+    if weight.device.type == "cpu":
+        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    else:
+        data = torch.ops.aten._convert_weight_to_int4pack((values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8),
+                                                          _CUDA_INNER_K_TILES)
+    return QuantWeight("int4", data, scales_zeros, weight.shape[0], INT4_GROUP)
+
+
+def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [out, in] int32 in 0..15, scale and zero [in / group, out, 2] in `dtype`) of fp32 `w`, asymmetric per
+    group of `group` inputs, in the kernels' convention w = (value - 8) * scale + zero. The values are rounded
+    against the stored (rounded) scale and zero, so they are the nearest the stored numbers can give."""
+    out_features, in_features = w.shape
+    groups = w.reshape(out_features, in_features // group, group)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, in / group]
+    scale = ((high - low) / 15).clamp(min=1e-12).to(dtype)
+    zero = (low + 8 * scale.float()).to(dtype)
+    values = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
+    return values.to(torch.int32).reshape(out_features, in_features), scales_zeros
+
+
+def dequantize_int4(values: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, in] of `quantize_int4`'s output."""
+    out_features, in_features = values.shape
+    groups = scales_zeros.shape[0]
+    scale = scales_zeros[..., 0].float().t()[..., None]  # [out, in / group, 1]
+    zero = scales_zeros[..., 1].float().t()[..., None]
+    w = (values.float().reshape(out_features, groups, -1) - 8) * scale + zero
+    return w.reshape(out_features, in_features)

@@ -1,0 +1,187 @@
+"""Weight-only quantization (--quantize int8 / int4): the kernels compute what their stored bits stand for, a row
+rounds the same at every row count (which is what lets trees, one-token steps and batches of requests agree), and
+greedy decoding through every tree and policy gives the tokens greedy AR decoding of the same quantized model
+gives: exactly on the tiny fp32 model, up to the float-tie rule on the real SmolLM2 in bf16 (docs/design.md §7)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from entmtp_ray.calibrate.bank import Hardware
+from entmtp_ray.config import DecodingConfig, ModelConfig
+from entmtp_ray.decode.acceptance import greedy_up_to_tie
+from entmtp_ray.decode.batch import BatchDecoder, Job
+from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.decode.policy import FixedTree
+from entmtp_ray.decode.tree import load_topology, make_topology
+from entmtp_ray.model.kernels import linear, prepare, quantize_model
+from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.llama import forward_hidden
+from entmtp_ray.model.loading import LoadedModel
+from entmtp_ray.model.quant import INT4_GROUP, dequantize_int4, quantize, quantize_int4
+from entmtp_ray.pipeline.assemble import load_stack, plan
+from test_decode_oracle import BRANCHY_PATHS, MAX_NEW, PROMPT, rotating, tree_of
+from oracle import OracleDrafter
+
+SCHEMES = ["int8", "int4"]
+
+
+def reference_weight(weight: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The fp32 weight the scheme's bits stand for, computed independently of the kernels' packing."""
+    w = weight.float()
+    if scheme == "int8":
+        scales = (w.abs().amax(1) / 127).to(weight.dtype).float()
+        return torch.round(w / scales[:, None]).clamp(-128, 127) * scales[:, None]
+    return dequantize_int4(*quantize_int4(w, INT4_GROUP, weight.dtype))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_product_is_the_product_with_the_weight_its_bits_stand_for(scheme, dtype):
+    gen = torch.Generator().manual_seed(0)
+    weight = (0.05 * torch.randn(96, 128, generator=gen)).to(dtype)
+    x = torch.randn(7, 128, generator=gen).to(dtype)
+    got = quantize(weight, scheme)(x).float()
+    want = x.float() @ reference_weight(weight, scheme).t()
+    # fp32: reduction order only; bf16: the output's own rounding (8 bits) on values of about 1
+    torch.testing.assert_close(got, want, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+    # and the quantization is real: far from the unquantized product, further for int4
+    error = (x.float() @ weight.float().t() - want).abs().mean()
+    assert error > (1e-3 if scheme == "int8" else 1e-2)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_rounds_the_same_at_every_row_count(scheme, dtype):
+    """What lets a tree's rows, a one-token step's row and other requests' rows share one product (§7)."""
+    gen = torch.Generator().manual_seed(1)
+    for out_features, in_features in [(960, 576), (3072, 576), (576, 1536)]:  # SmolLM2's fused shapes
+        weight = (0.05 * torch.randn(out_features, in_features, generator=gen)).to(dtype)
+        product = quantize(weight, scheme)
+        x = torch.randn(40, in_features, generator=gen).to(dtype)
+        full = product(x)
+        for rows in [1, 2, 3, 4, 5, 8, 16, 33]:
+            assert torch.equal(product(x[:rows]), full[:rows]), (out_features, in_features, rows)
+            assert torch.equal(product(x[rows - 1:rows]), full[rows - 1:rows])
+
+
+def test_a_shape_the_int4_kernel_cannot_take_is_an_error_naming_why():
+    with pytest.raises(ValueError, match="not a multiple of the int4 group"):
+        quantize(torch.randn(32, 48), "int4")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize(torch.randn(8, 64), "int4")
+    with pytest.raises(ValueError, match="choose one of"):
+        quantize(torch.randn(32, 64), "int3")
+
+
+def quantized_tiny(scheme: str) -> LoadedModel:
+    model = make_tiny_llama()
+    quantize_model(model, scheme)
+    return LoadedModel(name="tiny", model=model, tokenizer=SimpleNamespace(decode=lambda ids, **_: ""), chat_format="raw", dtype=torch.float32,
+                       device=torch.device("cpu"), eos_token_ids=frozenset(), quantize=scheme)
+
+
+def ar(loaded: LoadedModel, prompt: list[int] = PROMPT, max_new: int = MAX_NEW) -> list[int]:
+    decoder = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))
+    return decoder.generate(prompt, DecodingConfig(policy="ar", max_new_tokens=max_new)).output_token_ids
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantizing_swaps_every_decoder_projection_and_leaves_the_lm_head(scheme):
+    loaded = quantized_tiny(scheme)
+    plan = prepare(loaded.model)
+    for layer in plan.layers:
+        assert {p.scheme for p in (layer.qkv, layer.gate_up, layer.o, layer.down)} == {scheme}
+    assert plan.lm_head.scheme == "none" and plan.row_invariant
+    # the quantized model is another model: its greedy output leaves the unquantized one's
+    unquantized = ar(quantized_tiny("none"))
+    assert ar(loaded) != unquantized
+    quantize_model(loaded.model, "none")  # and marks can be taken back
+    assert ar(loaded) == unquantized
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("tree, plan", [("chain4", None), ("branchy", rotating), ("hydra", rotating)])
+def test_trees_give_exactly_the_quantized_models_ar_tokens(scheme, tree, plan):
+    loaded = quantized_tiny(scheme)
+    reference = ar(loaded)
+    drafter = OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size,
+                            **({"plan": plan} if plan else {}))
+    result = SpecDecoder(loaded, drafter, FixedTree("fixed", tree_of(tree))).generate(
+        PROMPT, DecodingConfig(policy="fixed", max_new_tokens=MAX_NEW))
+    assert result.output_token_ids == reference
+    assert result.mean_accepted_length > 1.5  # the trees really committed multi-token paths
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_requests_verified_together_give_each_ones_quantized_ar_tokens(scheme):
+    loaded = quantized_tiny(scheme)
+    prompts = [PROMPT, [5, 9, 2, 77, 31], [40, 41, 42]]
+    references = [ar(loaded, p, 24) for p in prompts]
+    lanes = [OracleDrafter(r, len(p), loaded.model.config.vocab_size, plan=rotating)
+             for p, r in zip(prompts, references)]
+    tree = make_topology(BRANCHY_PATHS, "branchy")
+    cfg = DecodingConfig(policy="fixed", max_new_tokens=24)
+    for drafter, prompt, reference in zip(lanes, prompts, references):
+        alone = SpecDecoder(loaded, drafter, FixedTree("fixed", tree)).generate(prompt, cfg)
+        assert alone.output_token_ids == reference
+    # one-token steps of three requests in one forward: each runs as copies, its products on the token alone
+    batch = BatchDecoder(SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar"))), 3)
+    done = batch.run([Job(k, p, DecodingConfig(policy="ar", max_new_tokens=24), None) for k, p in enumerate(prompts)])
+    assert {job.tag: r.output_token_ids for job, r in done} == dict(enumerate(references))
+
+
+def test_the_bank_hardware_key_names_the_quantization():
+    plain = Hardware(device="cpu", threads=2, dtype="bfloat16")
+    int4 = plain.model_copy(update={"quantize": "int4"})
+    assert not plain.same_as(int4) and plain.same_as(Hardware(device="cpu", threads=2, dtype="bfloat16"))
+    assert "int4 weights" in int4.describe() and "weights" not in plain.describe()
+
+
+def test_an_unknown_scheme_fails_before_loading():
+    with pytest.raises(ValueError, match="quantize"):
+        ModelConfig(quantize="int3")
+
+
+# --- the real embedded model ---
+
+POLICIES = ["ar", "hydra", "entmtp-star", "entmtp-ladder", "entmtp-tau"]
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?")
+
+
+def quantized_logits(loaded: LoadedModel, ids: list[int], output: list[int]) -> torch.Tensor:
+    """The quantized model's logits before each token of `output` ([len(output), V]): one causal forward over
+    prompt + output through the same quantized products."""
+    cfg = loaded.model.config
+    tokens = torch.tensor(ids + output)
+    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                    len(tokens), loaded.dtype, loaded.device)
+    with torch.inference_mode():
+        hidden = forward_hidden(loaded.model, cache, tokens, torch.arange(len(tokens)))
+        return linear(hidden[len(ids) - 1: len(tokens) - 1], loaded.model.lm_head).float()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_smollm2_every_policy_decodes_the_quantized_models_greedy_tokens(scheme):
+    model_cfg = ModelConfig(quantize=scheme, dtype="bf16")
+    stack = load_stack(model_cfg, with_heads=True)
+    loaded = stack.loaded
+    assert loaded.quantize == scheme and prepare(loaded.model).layers[0].qkv.scheme == scheme
+    ids = loaded.encode_prompt(QUESTION)
+    outputs = {}
+    for name in POLICIES:
+        cfg = DecodingConfig(policy=name, task="gsm8k", max_new_tokens=48)
+        resolved = plan(model_cfg, cfg)
+        result = stack.decoder(resolved.policy).generate(ids, resolved.decoding)
+        outputs[name] = result.output_token_ids
+        logits = quantized_logits(loaded, ids, result.output_token_ids)
+        ok = greedy_up_to_tie(logits, torch.tensor(result.output_token_ids), loaded.dtype)
+        assert bool(ok.all()), f"{name}: token {int((~ok).nonzero()[0])} is not the quantized model's argmax"
+    assert len(outputs["ar"]) == 48
+    drafting = [n for n in POLICIES if n != "ar"]
+    assert any(outputs[n] == outputs["ar"] for n in drafting)  # ties are rare: most outputs are AR's outright
