@@ -103,8 +103,8 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
     from entmtp_ray.pipeline.placement import ActorPlacement
     from entmtp_ray.pipeline.processor import Processor
 
-    def placed(decoding: DecodingConfig, device: str) -> Processor:
-        processor = Processor(ProcessorConfig(decoding=decoding))
+    def placed(decoding: DecodingConfig, device: str, quantize: str = "none") -> Processor:
+        processor = Processor(ProcessorConfig(decoding=decoding, model=ModelConfig(quantize=quantize)))
         processor.placement = ActorPlacement(gpus=1.0 if device == "cuda" else 0.0, device=device, auto=True)
         processor._calibrate_for_this_device()
         return processor
@@ -114,6 +114,7 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
     # until calibrated: the shipped bank, its fallback
     assert on_gpu.config.decoding.bank.endswith("gsm8k.json") and on_gpu.plan.bank_label.endswith("gsm8k.json")
     assert not placed(DecodingConfig(task="gsm8k"), "cpu").plan.auto_bank  # the device it was timed on
+    assert placed(DecodingConfig(task="gsm8k"), "cpu", "int4").plan.auto_bank  # timed on unquantized weights
     kept = placed(DecodingConfig(task="gsm8k", policy="entmtp-tau"), "cuda")  # asked for by name: kept
     assert not kept.plan.auto_bank and kept.plan.bank_label.endswith("gsm8k.json")
 

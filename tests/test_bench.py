@@ -154,3 +154,30 @@ def test_throughput_mode_tables_every_system_at_every_k_in_one_run(tmp_path, cap
     rc = bench_job.main(["--task", "gsm8k", "--concurrent-requests", "1", "2", "--bank-at", f"3={general}",
                          "--output", str(tmp_path / "bad")])
     assert rc == 2 and "--bank-at 3=" in capsys.readouterr().err
+
+
+def test_a_quantized_bench_checks_ours_against_quantized_ar_and_leaves_transformers_uncompared(tmp_path, capsys):
+    """--quantize int4: our systems decode the quantized model, so their greedy output must be its AR output;
+    transformers' generate runs the unquantized weights, another model: not compared, never `differs`."""
+    out = tmp_path / "bench"
+    rc = bench_job.main(["--task", "gsm8k", "--dataset", str(ROOT / "tests" / "fixtures" / "gsm8k_train_200.jsonl"),
+                         "--limit", "1", "--max-new-tokens", "12", "--threads", "2", "--temperatures", "0",
+                         "--quantize", "int4", "--systems", "ar", "hf-generate", "entmtp-tau", "--output", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout[-3000:]
+    rows = {r["policy"]: r for r in pq.read_table(out / "rows").to_pylist()}
+    assert rows["entmtp-tau"]["matches_ar"] in ("equal", "tie") and rows["hf-generate"]["matches_ar"] == "not compared"
+    assert rows["ar"]["output_nll"] >= 0  # scored by the quantized model's own forward
+
+
+def test_verify_costs_under_each_weight_scheme(tiny_model_dirs, capsys):
+    """jobs/bench_engine.py --quantize: each tree's verify ms under every scheme, interleaved over the rounds."""
+    from entmtp_ray.decode.tree import load_topology
+    from entmtp_ray.model.loading import load_model
+
+    loaded = load_model(str(tiny_model_dirs[0]), dtype="bf16", device="cpu")
+    trees = {"ar": load_topology("ar"), "chain3": load_topology("chain3")}
+    assert bench_engine.scheme_costs(loaded, loaded.encode_prompt("Hello there"), trees, ["none", "int4"], 2) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["verify_ms"]) == {"none", "int4"}
+    assert all(set(costs) == {"ar", "chain3"} and min(costs.values()) > 0 for costs in summary["verify_ms"].values())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
+from entmtp_ray.bench.compare import continuation_logits
 from entmtp_ray.calibrate.bank import Hardware
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.acceptance import greedy_up_to_tie
@@ -18,9 +19,7 @@ from entmtp_ray.decode.batch import BatchDecoder, Job
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import load_topology, make_topology
-from entmtp_ray.model.kernels import linear, prepare, quantize_model
-from entmtp_ray.model.kv_cache import KVCache
-from entmtp_ray.model.llama import forward_hidden
+from entmtp_ray.model.kernels import prepare, quantize_model
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.model.quant import INT4_GROUP, dequantize_int4, quantize, quantize_int4
 from entmtp_ray.pipeline.assemble import load_stack, plan
@@ -154,18 +153,6 @@ QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold
             "How many clips did Natalia sell altogether in April and May?")
 
 
-def quantized_logits(loaded: LoadedModel, ids: list[int], output: list[int]) -> torch.Tensor:
-    """The quantized model's logits before each token of `output` ([len(output), V]): one causal forward over
-    prompt + output through the same quantized products."""
-    cfg = loaded.model.config
-    tokens = torch.tensor(ids + output)
-    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                    len(tokens), loaded.dtype, loaded.device)
-    with torch.inference_mode():
-        hidden = forward_hidden(loaded.model, cache, tokens, torch.arange(len(tokens)))
-        return linear(hidden[len(ids) - 1: len(tokens) - 1], loaded.model.lm_head).float()
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_smollm2_every_policy_decodes_the_quantized_models_greedy_tokens(scheme):
     model_cfg = ModelConfig(quantize=scheme, dtype="bf16")
@@ -179,9 +166,27 @@ def test_smollm2_every_policy_decodes_the_quantized_models_greedy_tokens(scheme)
         resolved = plan(model_cfg, cfg)
         result = stack.decoder(resolved.policy).generate(ids, resolved.decoding)
         outputs[name] = result.output_token_ids
-        logits = quantized_logits(loaded, ids, result.output_token_ids)
+        logits = continuation_logits(loaded, ids, result.output_token_ids).float()
         ok = greedy_up_to_tie(logits, torch.tensor(result.output_token_ids), loaded.dtype)
         assert bool(ok.all()), f"{name}: token {int((~ok).nonzero()[0])} is not the quantized model's argmax"
     assert len(outputs["ar"]) == 48
     drafting = [n for n in POLICIES if n != "ar"]
     assert any(outputs[n] == outputs["ar"] for n in drafting)  # ties are rare: most outputs are AR's outright
+
+
+def test_the_quality_job_scores_the_same_text_under_every_scheme(tiny_model_dirs, tmp_path, capsys):
+    """jobs/quant_quality.py on a tiny model: the unquantized model's AR text, scored by each scheme."""
+    import json
+
+    from entmtp_ray.jobs import quant_quality
+
+    out = tmp_path / "quality.json"
+    assert quant_quality.main(["--model", str(tiny_model_dirs[0]), "--dtype", "fp32", "--tasks", "humaneval",
+                               "--limit", "2", "--max-new-tokens", "6", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["scheme"]: r for r in report["rows"]}
+    assert set(rows) == {"none", "int8", "int4"} and len({r["tokens"] for r in rows.values()}) == 1
+    # greedy text scored by the model that wrote it: every token its argmax, and no change from itself
+    assert rows["none"]["argmax_agrees"] == 1.0 and rows["none"]["nll_change"] == 0.0
+    assert rows["int4"]["nll"] != rows["none"]["nll"] and rows["int4"]["nll_change"] is not None
+    assert "| humaneval | int4 |" in capsys.readouterr().out

@@ -5,7 +5,8 @@ machine's noise falls on all alike), after one untimed warm-up each. Rows are wr
 output schema (records.py) with `policy` naming the system, plus two lossless checks computed
 outside the timed region: `output_nll`, the mean negative log-likelihood of the row's output under
 the base model (T=1), and at T=0 `matches_ar`: equal | tie (the first differing token is a float
-tie, see acceptance.greedy_up_to_tie) | differs | not compared (llama.cpp's own Q4 numerics).
+tie, see acceptance.greedy_up_to_tie) | differs | not compared (llama.cpp's own Q4 numerics; under --quantize,
+transformers' baselines, which run the unquantized weights).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import torch
 from entmtp_ray.decode.acceptance import greedy_up_to_tie
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.loop import GenerationResult, StepTrace, row_generator
+from entmtp_ray.model.kernels import linear
+from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.loading import LoadedModel, embedded_source, synchronize
 from entmtp_ray.pipeline.assemble import BANK_POLICIES, Stack, policy_for
 from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, RowContext, error_row, result_row
@@ -90,9 +94,23 @@ class LlamaCpp:
 
 @torch.inference_mode()
 def continuation_logits(loaded: LoadedModel, ids: list[int], output: list[int]) -> torch.Tensor:
-    """The base model's logits before each token of `output` after `ids`: [len(output), V], one forward."""
-    inputs = torch.tensor([ids + output], device=loaded.device)
-    return loaded.model(inputs).logits[0, len(ids) - 1: len(ids) + len(output) - 1]
+    """The base model's logits before each token of `output` after `ids`: [len(output), V], one causal forward:
+    transformers' own, or for quantized weights (--quantize) ours through the same quantized products."""
+    if loaded.quantize == "none":
+        inputs = torch.tensor([ids + output], device=loaded.device)
+        return loaded.model(inputs).logits[0, len(ids) - 1: len(ids) + len(output) - 1]
+    cfg, model = loaded.model.config, loaded.model
+    tokens = torch.tensor(ids + output, device=loaded.device)
+    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                    len(tokens), loaded.dtype, loaded.device)
+    hidden = forward_hidden(model, cache, tokens, torch.arange(len(tokens), device=loaded.device))
+    return linear(hidden[len(ids) - 1: len(tokens) - 1], model.lm_head)
+
+
+def same_model(system: str, loaded: LoadedModel) -> bool:
+    """Whether `system` decodes the model our systems decode, so that greedy output must equal AR's: llama.cpp
+    runs its own Q4 numerics, and transformers' baselines the unquantized weights when ours are --quantize'd."""
+    return system != "llama-cpp" and (loaded.quantize == "none" or not system.startswith("hf-"))
 
 
 def output_nll(logits: torch.Tensor, output: list[int]) -> float | None:
@@ -238,7 +256,7 @@ class Bench:
             row["output_nll"] = output_nll(logits, out)
             row["matches_ar"] = None
             if temperature == 0 and want is not None and name != "ar":
-                row["matches_ar"] = ("not compared" if name == "llama-cpp" else
+                row["matches_ar"] = ("not compared" if not same_model(name, self.loaded) else
                                      compare_greedy(out, want, want_logits, self.loaded.dtype))
             rows.append(row)
         return rows

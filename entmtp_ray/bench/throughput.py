@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from entmtp_ray.bench.compare import Prompt, compare_greedy, continuation_logits
+from entmtp_ray.bench.compare import Prompt, compare_greedy, continuation_logits, same_model
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.batch import BatchDecoder, Job
 from entmtp_ray.decode.loop import GenerationResult, SpecDecoder, row_generator
@@ -185,13 +185,13 @@ def _run(decoders, baselines, system, k, prompts, cfg, repeat) -> Outcome:
 
 def check_greedy(loaded: LoadedModel, prompts: list[Prompt], outcomes: list[Outcome]) -> dict[tuple[str, int], dict]:
     """Per configuration: how many outputs equal AR's (K=1, same repeat) / leave it at a float tie / differ.
-    llama.cpp runs its own numerics: not compared."""
+    Systems on another model (llama.cpp; transformers' under --quantize) are not compared (`same_model`)."""
     by_id = {p.id: p for p in prompts}
     reference = {o.repeat: o.outputs for o in outcomes if o.system == "ar" and o.k == 1}
     logits: dict[str, torch.Tensor] = {}
     counts: dict[tuple[str, int], dict] = {}
     for o in outcomes:
-        if o.system == "llama-cpp" or o.repeat not in reference:
+        if not same_model(o.system, loaded) or o.repeat not in reference:
             continue
         tally = counts.setdefault((o.system, o.k), {"equal": 0, "tie": 0, "differs": 0})
         for row_id, got in o.outputs.items():

@@ -3,6 +3,8 @@ per-step cost of each phase of the decode loop, and the cost of verifying n tree
 
     python jobs/bench_engine.py --prompts-file examples/bench_prompts.jsonl --repeats 3
     python jobs/bench_engine.py --dtype bf16 --threads 2 --trees ar gsm8k-n5 hydra --bank banks/smollm2-135m-instruct/gsm8k.json
+    python jobs/bench_engine.py --dtype bf16 --threads 2 --quantize none int8 int4 --trees ar gsm8k-n3 gsm8k-n5 \
+        --bank entmtp_ray/assets/banks/smollm2-135m-instruct/gsm8k.json   # verify cost per tree under each scheme
 
 Everything is measured side by side in one process, interleaved per prompt, medians over
 repeats. The last stdout line is a JSON summary.
@@ -25,8 +27,9 @@ from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology, build_buffers, load_topology, make_topology
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
-from entmtp_ray.model.kernels import linear
+from entmtp_ray.model.kernels import linear, quantize_model
 from entmtp_ray.model.loading import synchronize
+from entmtp_ray.model.quant import SCHEMES
 from entmtp_ray.pipeline.assemble import load_stack
 
 
@@ -98,6 +101,29 @@ def verify_cost(loaded, prompt_ids, trees, repeats=10):
     return costs
 
 
+def scheme_costs(loaded, prompt_ids, trees: dict[str, Topology], schemes: list[str], repeats: int) -> int:
+    """Print (and end with a JSON line of) each tree's verify ms under each scheme: rounds of every scheme in
+    turn, so that the machine's drift falls on all alike; medians over the rounds."""
+    rounds = defaultdict(list)
+    for _ in range(repeats):
+        for scheme in schemes:
+            quantize_model(loaded.model, scheme)
+            verify_cost(loaded, prompt_ids, {"ar": load_topology("ar")}, 3)  # warm the new weights
+            for name, cost in verify_cost(loaded, prompt_ids, trees).items():
+                rounds[scheme, name].append(cost)
+    costs = {scheme: {name: statistics.median(rounds[scheme, name]) for name in trees} for scheme in schemes}
+    print("| tree | nodes | " + " | ".join(f"{s} ms" for s in schemes) + " | " +
+          " | ".join(f"{s} / {schemes[0]}" for s in schemes[1:]) + " |")
+    print("|---|---:|" + "---:|" * (2 * len(schemes) - 1))
+    for name, tree in trees.items():
+        row = [f"{costs[s][name]:.2f}" for s in schemes] + [f"{costs[s][name] / costs[schemes[0]][name]:.2f}"
+                                                            for s in schemes[1:]]
+        print(f"| {name} | {tree.num_nodes} | " + " | ".join(row) + " |")
+    print(json.dumps({"verify_ms": costs, "dtype": str(loaded.dtype).removeprefix("torch."),
+                      "threads": torch.get_num_threads(), "repeats": repeats}))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts-file", default="examples/bench_prompts.jsonl")
@@ -112,6 +138,9 @@ def main(argv=None) -> int:
     parser.add_argument("--trees", nargs="+", default=["ar", "hydra"],
                         help="trees whose step is broken down: built-in names, or names in --bank")
     parser.add_argument("--bank", default=None, help="a topology bank whose tree names --trees may use")
+    parser.add_argument("--quantize", nargs="+", default=None, choices=list(SCHEMES),
+                        help="instead of the rest: the verify cost of each --trees tree under each weight scheme, "
+                        "the schemes interleaved over --repeats rounds (medians)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,6 +157,9 @@ def main(argv=None) -> int:
     loaded = stack.loaded
     with open(args.prompts_file) as f:
         prompts = [loaded.encode_prompt(json.loads(line)["prompt"]) for line in f if line.strip()]
+    if args.quantize:
+        trees = {name: bank.topology(name) if name in names else load_topology(name) for name in args.trees}
+        return scheme_costs(loaded, prompts[0], trees, args.quantize, args.repeats)
     decoder = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))
     decoder.generate(prompts[0], DecodingConfig(policy="ar", max_new_tokens=16))  # warm-up
     hf_generate_tps(loaded, prompts[0], 16)

@@ -146,18 +146,20 @@ class Processor:
 
     def _calibrate_for_this_device(self) -> None:
         """The default policy chose a shipped bank measured on the other kind of device (a CPU bank, actors on a
-        GPU, or the reverse) or at another --concurrent-requests: its trees were sized for other step costs, so
-        calibrate one here instead."""
+        GPU, or the reverse), at another --concurrent-requests or with other --quantize weights: its trees were
+        sized for other step costs, so calibrate one here instead."""
         bank, asked = self.plan.bank, self.asked
         if asked.policy != AUTO or asked.bank or bank is None or self.bank_json is not None:
             return
         on_gpu = self.placement.device.startswith("cuda")
-        concurrency = self.config.pool.concurrent_requests
-        if on_gpu == (bank.hardware.device != "cpu") and bank.hardware.concurrency == concurrency:
+        concurrency, quantize = self.config.pool.concurrent_requests, self.config.model.quantize
+        if (on_gpu == (bank.hardware.device != "cpu") and bank.hardware.concurrency == concurrency
+                and bank.hardware.quantize == quantize):
             return
-        log.warning("the shipped bank %s was measured on %s, and the actors run on %s with %d concurrent requests: "
-                    "calibrating one for them (--bank auto; pass --bank %s to keep it)", self.plan.bank_label,
-                    bank.hardware.describe(), self.placement.device, concurrency, self.plan.bank_label)
+        log.warning("the shipped bank %s was measured on %s, and the actors run on %s with %d concurrent requests "
+                    "and %s weights: calibrating one for them (--bank auto; pass --bank %s to keep it)",
+                    self.plan.bank_label, bank.hardware.describe(), self.placement.device, concurrency, quantize,
+                    self.plan.bank_label)
         self.plan = plan(self.config.model, asked.model_copy(update={"bank": AUTO_BANK}))
         self.config = self.config.model_copy(update={"decoding": self.plan.decoding})
 
