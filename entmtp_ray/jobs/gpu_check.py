@@ -16,6 +16,9 @@ others still run); the last stdout line is one JSON summary, also written to OUT
 4. ray: jobs/generate.py with 2 actors at --gpus-per-actor 0.5 (both on one GPU) on local Ray, with --bank auto:
    a bank calibrated on 4 of the 12 prompts on the GPU (those 4 rows are the calibration's), the other 8 rows
    decoded by the two actors with it.
+5. quantized: jobs/bench.py on humaneval in bf16 with --quantize int8 and --quantize int4 (the CUDA weight-only
+   kernels, through the static forward and CUDA graphs): tokens/s beside the same run's AR, greedy outputs
+   checked against the quantized model's AR.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: jobs/ beside entmtp_ray/
-STAGES = ("decode", "bench", "bank", "ray")
+STAGES = ("decode", "bench", "bank", "ray", "quantized")
 POLICIES = ("ar", "hydra", "entmtp-tau")
 MODES = {"dynamic": dict(static=False, graphs=False), "static": dict(static=True, graphs=False),
          "graphs": dict(static=True, graphs=True)}
@@ -188,6 +191,18 @@ def main(argv=None) -> int:
             status, seconds, last = _run(command, out / "ray.log", 210)
             summary["stages"]["ray"] = {"status": status, "seconds": seconds, "summary": _json_or(last),
                                         "actors": _actors(out / "ray-job")}
+        elif stage == "quantized":
+            for scheme in ("int8", "int4"):
+                target = out / f"quantized-{scheme}"
+                command = [py, "jobs/bench.py", "--task", "humaneval", "--limit", str(args.prompts),
+                           "--max-new-tokens", str(args.max_new_tokens), "--temperatures", "0", "--systems",
+                           *POLICIES, "--quantize", scheme, "--output", str(target), "--device", args.device,
+                           "--dtype", "bf16"]
+                status, seconds, _ = _run(command, out / f"quantized-{scheme}.log", 120)
+                report = target / "report.json"
+                summary["stages"][f"quantized-{scheme}"] = {
+                    "status": status, "seconds": seconds,
+                    "table": json.loads(report.read_text()).get("rows") if report.is_file() else None}
     summary["ok"] = all(s.get("status") == 0 or "skipped" in s for s in summary["stages"].values())
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary), flush=True)

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from entmtp_ray.model.quant import QuantWeight, quantize
 
-# A one-token step on packed (oneDNN bf16) weights runs as this many copies of the token, each
-# seeing the prefix and itself, so that its rows take the kernels a tree's rows take and node 0 of a
-# tree rounds as the one-token step does (§7, §8); fp32 needs no copies.
+# A one-token step on row-invariant products (packed oneDNN bf16, or quantized weights) runs its attention as
+# this many copies of the token, each seeing the prefix and itself, so that its rows take the kernel a tree's
+# rows take and node 0 of a tree rounds as the one-token step does (§7, §8); its products run on the token
+# alone. Unquantized fp32 needs no copies.
 ONE_TOKEN_ROWS = 4
 
 
