@@ -21,12 +21,21 @@ from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import load_topology, make_topology
 from entmtp_ray.model.kernels import prepare, quantize_model
 from entmtp_ray.model.loading import LoadedModel
-from entmtp_ray.model.quant import INT4_GROUP, dequantize_int4, quantize, quantize_int4
+from entmtp_ray.model.quant import INT4_GROUP, quantize, quantize_int4
 from entmtp_ray.pipeline.assemble import load_stack, plan
 from test_decode_oracle import BRANCHY_PATHS, MAX_NEW, PROMPT, rotating, tree_of
 from oracle import OracleDrafter
 
 SCHEMES = ["int8", "int4"]
+
+
+def dequantize_int4(values: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, in] of `quantize_int4`'s output, in the kernels' convention w = (value - 8) * scale + zero."""
+    out_features, in_features = values.shape
+    scale = scales_zeros[..., 0].float().t()[..., None]  # [out, in / group, 1]
+    zero = scales_zeros[..., 1].float().t()[..., None]
+    w = (values.float().reshape(out_features, scales_zeros.shape[0], -1) - 8) * scale + zero
+    return w.reshape(out_features, in_features)
 
 
 def reference_weight(weight: torch.Tensor, scheme: str) -> torch.Tensor:

@@ -91,12 +91,3 @@ def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torc
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]
     return values.to(torch.int32).reshape(out_features, in_features), scales_zeros
 
-
-def dequantize_int4(values: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """fp32 [out, in] of `quantize_int4`'s output."""
-    out_features, in_features = values.shape
-    groups = scales_zeros.shape[0]
-    scale = scales_zeros[..., 0].float().t()[..., None]  # [out, in / group, 1]
-    zero = scales_zeros[..., 1].float().t()[..., None]
-    w = (values.float().reshape(out_features, groups, -1) - 8) * scale + zero
-    return w.reshape(out_features, in_features)
