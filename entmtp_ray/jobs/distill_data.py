@@ -9,8 +9,11 @@ reads. Resumable: rerun the same command and it continues.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+
+import pyarrow as pa
 
 
 import torch
@@ -18,7 +21,7 @@ import torch
 from entmtp_ray.cli import quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model.loading import load_model
-from entmtp_ray.pipeline.tasks import TASKS, load_prompts
+from entmtp_ray.pipeline.tasks import TASKS, load_prompts, sample
 from entmtp_ray.train.trainer import distill
 
 
@@ -29,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-column", default="prompt")
     p.add_argument("--split", default="train")
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--match", default=None, help="only prompts this regular expression finds (case-insensitive), "
+                   "e.g. code questions for code-drafting heads; --limit then samples among those")
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--dtype", default="auto", help="base model dtype for generation (bf16 is about 2x faster on CPU)")
@@ -43,7 +48,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.task, args.dataset, split=args.split, prompt_column=args.prompt_column,
-                           limit=args.limit, seed=args.seed, subset="tune")
+                           limit=None if args.match else args.limit, seed=args.seed, subset="tune")
+    if args.match:
+        try:
+            pattern = re.compile(args.match, re.IGNORECASE)
+        except re.error as e:
+            p.error(f"--match {args.match!r}: not a regular expression ({e})")
+        found = [bool(pattern.search(text or "")) for text in prompts.column("prompt").to_pylist()]
+        prompts = sample(prompts.filter(pa.array(found)), args.limit, args.seed)
+        print(f"--match: {sum(found)} of {len(found)} prompts match, {len(prompts)} kept", file=sys.stderr)
     loaded = load_model(args.model, dtype=args.dtype)
     started = time.time()
     n = distill(loaded, prompts, args.out, args.batch_size, args.max_new_tokens, args.max_prompt_tokens)

@@ -14,14 +14,13 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 
 from entmtp_ray.model.heads import save_draft_vocab
 from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model.loading import load_model
-from entmtp_ray.train.trainer import chat_sequence, generated_conversations, sharegpt_conversations
+from entmtp_ray.train.trainer import chat_sequence, generated_conversations, rank_targets, sharegpt_conversations
 
 
 def main(argv=None) -> int:
@@ -38,17 +37,13 @@ def main(argv=None) -> int:
         p.error(f"--heads {heads}: no heads_config.json there; pass a heads directory of ours")
     started = time.time()
     loaded = load_model(args.model, dtype="fp32", device="cpu")
-    counts: Counter[int] = Counter()
     conversations = list(sharegpt_conversations(args.sharegpt)) + list(generated_conversations(args.self_distill))
-    for turns in conversations:
-        seq = chat_sequence(loaded, turns, args.max_len)
-        if seq is not None:
-            counts.update(t for t, target in zip(seq.token_ids, seq.target_mask) if target)
-    ranked = counts.most_common()
+    ranked = rank_targets(s for s in (chat_sequence(loaded, turns, args.max_len) for turns in conversations)
+                          if s is not None)
     if len(ranked) < args.default_size:
         p.error(f"--default-size {args.default_size}: only {len(ranked)} distinct tokens occur in this text; "
                 "pass a smaller size or more data")
-    total = sum(counts.values())
+    total = sum(c for _, c in ranked)
     coverage = {k: sum(c for _, c in ranked[:k]) / total for k in (2048, 4096, 8192, 16384, 32768) if k <= len(ranked)}
     source = {"sharegpt_conversations": args.sharegpt, "self_distill": args.self_distill, "max_len": args.max_len,
               "conversations": len(conversations), "coverage_of_targets": coverage}

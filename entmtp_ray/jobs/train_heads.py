@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
-from entmtp_ray.model.heads import init_heads
+from entmtp_ray.model.heads import init_heads, save_draft_vocab
 from entmtp_ray.config import ModelConfig
 from entmtp_ray.model.loading import load_model, machine_name
-from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, evaluate,
-                                 generated_conversations, sharegpt_conversations, train)
+from entmtp_ray.train.cache import TeacherCache
+from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, evaluate, generated_conversations,
+                                      rank_targets, sharegpt_conversations, train)
 
 
 def main(argv=None) -> int:
@@ -46,7 +47,11 @@ def main(argv=None) -> int:
     p.add_argument("--own-lm-heads", action="store_true", help="one vocab projection per head (large) instead "
                    "of sharing the base lm_head")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint, bit for bit (same "
+                   "options; a larger --steps extends the schedule)")
+    p.add_argument("--cache", default=None, help="teacher cache directory (default: OUT/teacher-cache): the base "
+                   "model's hidden states and top-k distributions, computed once and reused by every pass and run")
+    p.add_argument("--no-cache", action="store_true", help="run the frozen base model on every step instead")
     add_config_args(p, TrainConfig)
     args = p.parse_args(argv)
     quiet_logging()
@@ -66,19 +71,41 @@ def main(argv=None) -> int:
     print(f"{len(training)} training sequences ({sum(sum(s.target_mask) for s in training)} target tokens), "
           f"{len(heldout)} held out; {time.time() - started:.0f}s to prepare", file=sys.stderr)
 
+    ranked = rank_targets(training)
+    if cfg.draft_vocab > len(ranked):
+        p.error(f"--draft-vocab {cfg.draft_vocab}: only {len(ranked)} distinct target tokens in this data; "
+                "pass a smaller size, or 0 for the full vocabulary")
+    vocab = torch.tensor([t for t, _ in ranked[: cfg.draft_vocab]]) if cfg.draft_vocab else None
+    total = sum(c for _, c in ranked)
+    coverage = {k: sum(c for _, c in ranked[:k]) / total for k in (2048, 4096, 8192, 16384) if k <= len(ranked)}
+    vocab_source = {"sharegpt_conversations": args.sharegpt, "self_distill": args.self_distill,
+                    "max_len": cfg.max_len, "conversations": len(conversations), "coverage_of_targets": coverage}
+
+    def write_draft_vocab(directory: Path) -> None:  # the ranking beside every saved set of heads
+        save_draft_vocab([t for t, _ in ranked], [c for _, c in ranked], directory, vocab_source,
+                         cfg.draft_vocab or min(8192, len(ranked)))
+
     out = Path(args.out)
+    pad_id = loaded.tokenizer.pad_token_id or 0
+    cache = None
+    if not args.no_cache:
+        cache = TeacherCache.build(args.cache or out / "teacher-cache", args.model, loaded.model, training, pad_id,
+                                   vocab, cfg.teacher_top_k, cfg.bf16)
+        print(f"teacher cache: {json.dumps(cache.stats)}", file=sys.stderr)
     heads = init_heads(loaded.model, args.num_heads, args.num_layers, shared_lm_head=not args.own_lm_heads,
                        seed=cfg.seed, base_name=args.model)  # with --resume, train() loads the checkpoint over it
     heads.to(loaded.device)
-    pad_id = loaded.tokenizer.pad_token_id or 0
     state = train(heads, loaded.model, training, cfg, out, pad_id, resume=args.resume,
-                  save_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype])
-    scores = evaluate(heads, loaded.model, heldout, cfg.batch_tokens, pad_id)
+                  save_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype],
+                  vocab=vocab, cache=cache, on_save=write_draft_vocab)
+    scores = evaluate(heads, loaded.model, heldout, cfg.batch_tokens, pad_id, vocab)
     card = {
         "base_model": args.model,
         "data": {"sharegpt_conversations": args.sharegpt, "self_distill": args.self_distill,
                  "distill_repeat": args.distill_repeat,
-                 "training_sequences": len(training), "heldout_sequences": len(heldout)},
+                 "training_sequences": len(training), "heldout_sequences": len(heldout),
+                 "target_tokens": total, "draft_vocab_coverage_of_targets": coverage},
+        "teacher_cache": cache.stats if cache is not None else None,
         "target_tokens_seen": state["tokens"],
         "steps": state["step"],
         "train_seconds": state["seconds"],
@@ -86,7 +113,7 @@ def main(argv=None) -> int:
         "hardware": {"device": str(loaded.device), "threads": torch.get_num_threads(),
                      "cpu": machine_name()},
         "config": cfg.model_dump(),
-        "heldout_top1_per_head": scores["top1"],
+        "heldout_top1_per_head": scores["top1"],  # the heads' argmax over the draft vocabulary, as drafting
         "heldout_loss_per_head": scores["loss"],
     }
     (out / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")

@@ -152,9 +152,15 @@ class HydraHeads(nn.Module):
         """rows: [..., (head + 2) * H] -> [..., H] before the vocab projection."""
         return self.mlps[head](rows, dropout)
 
-    def project(self, head: int, hidden: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
-        """[..., H] -> [..., V] with the head's own projection or the shared base lm_head."""
-        return linear(hidden, base_lm_head if self.lm_heads is None else self.lm_heads[head])
+    def project(self, head: int, hidden: torch.Tensor, base_lm_head: nn.Module,
+                vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., H] -> [..., V] with the head's own projection or the shared base lm_head; with `vocab`
+        (token ids) onto those rows only, [..., len(vocab)] (training over the draft vocabulary)."""
+        proj = base_lm_head if self.lm_heads is None else self.lm_heads[head]
+        if vocab is None:
+            return linear(hidden, proj)
+        weight = proj.weight[vocab].to(hidden.dtype)  # a bf16 base's rows for fp32 heads outside autocast
+        return F.linear(hidden, weight, None if proj.bias is None else proj.bias[vocab].to(hidden.dtype))
 
     def logits(self, head: int, rows: torch.Tensor, base_lm_head: nn.Module) -> torch.Tensor:
         return self.project(head, self.head_hidden(head, rows), base_lm_head)

@@ -50,14 +50,16 @@ def tau_on_prompts(engine: Engine, prompts: list[tuple[str, str]], decoding: Dec
 
 
 def heldout_top1(engine: Engine, conversations: int, batch_tokens: int = 1024, max_len: int = 512) -> dict:
-    """Per-head top-1 agreement and soft cross-entropy on held-out ShareGPT text (the eval subset)."""
+    """Per-head top-1 agreement and soft cross-entropy on held-out ShareGPT text (the eval subset), the
+    heads' argmax over the draft vocabulary the engine drafts with."""
     from entmtp_ray.train.trainer import chat_sequence, evaluate, sharegpt_conversations
 
     loaded = engine.loaded
     sequences = [s for s in (chat_sequence(loaded, c, max_len) for c in sharegpt_conversations(conversations, "eval"))
                  if s is not None]
     pad_id = loaded.tokenizer.pad_token_id or 0
-    scores = evaluate(engine.decoder.drafter.heads, loaded.model, sequences, batch_tokens, pad_id)
+    drafter = engine.decoder.drafter  # the heads' argmax over the vocabulary drafting projects onto
+    scores = evaluate(drafter.heads, loaded.model, sequences, batch_tokens, pad_id, drafter.vocab_ids)
     return {"conversations": len(sequences), **scores}
 
 

@@ -13,6 +13,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -41,6 +42,12 @@ class TrainConfig(BaseModel):
     dropout: float = Field(0.2, ge=0, lt=1, description="dropout inside the heads while training")
     seed: int = Field(0, description="data order and initialisation seed")
     bf16: bool = Field(True, description="bf16 autocast for the head and vocab matmuls (CPU and GPU)")
+    draft_vocab: int = Field(8192, ge=0, description="train the heads' vocabulary projection over the K tokens "
+                             "most frequent in the training targets, the shortlist drafting projects onto "
+                             "(draft_vocab.json is saved beside the heads); 0: the full vocabulary")
+    teacher_top_k: int = Field(32, ge=0, description="keep the teacher's K most probable tokens of the student "
+                               "vocabulary per target, renormalised (the rest of its mass is dropped); 0: its "
+                               "whole distribution over the student vocabulary")
     checkpoint_every: int = Field(100, ge=1, description="steps between resumable checkpoints")
     snapshot_every: int | None = Field(None, ge=1, description="also save the heads every this many steps "
                                        "(out/step-NNNNN), to measure quality against training steps")
@@ -164,16 +171,17 @@ def distill(loaded: LoadedModel, prompts: pa.Table, out_dir: str | Path, batch_s
     return written
 
 
-def batches(sequences: list[Sequence], batch_tokens: int, seed: int, epoch: int) -> list[list[Sequence]]:
-    """Length-bucketed batches of about `batch_tokens` padded tokens, in a seeded order per epoch."""
+def batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Length-bucketed batches (indices into `lengths`) of about `batch_tokens` padded tokens, in a
+    seeded order per epoch."""
     rng = random.Random(seed * 100_003 + epoch)
-    order = sorted(sequences, key=lambda s: (len(s.token_ids), rng.random()))
+    order = sorted(range(len(lengths)), key=lambda k: (lengths[k], rng.random()))
     out, current = [], []
-    for seq in order:
-        if current and (len(current) + 1) * len(seq.token_ids) > batch_tokens:
+    for k in order:
+        if current and (len(current) + 1) * lengths[k] > batch_tokens:
             out.append(current)
             current = []
-        current.append(seq)
+        current.append(k)
     if current:
         out.append(current)
     rng.shuffle(out)
@@ -191,19 +199,83 @@ def pad(batch: list[Sequence], pad_id: int, device) -> tuple[torch.Tensor, torch
     return tokens.to(device), mask.to(device)
 
 
+def rank_targets(sequences: Iterable[Sequence]) -> list[tuple[int, int]]:
+    """(token id, count) of the sequences' target tokens, most frequent first (ties by token id)."""
+    counts: Counter[int] = Counter()
+    for seq in sequences:
+        counts.update(t for t, target in zip(seq.token_ids, seq.target_mask) if target)
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+# ---- teacher ---------------------------------------------------------------------------------
+
+@dataclass
+class Teacher:
+    """What the frozen base model gives a padded batch [B, T]: all the heads learn from.
+
+    Targets are the positions p whose next token is a target (mask[:, p + 1]); `rows[b, p]` is p's row
+    in probs/index/top (row-major order over the batch), meaningful only at those positions.
+    """
+
+    hidden: torch.Tensor  # [B, T, H] final (post-norm) hidden states, float32
+    rows: torch.Tensor  # [B, T] long
+    probs: torch.Tensor  # [N, K] the kept teacher probabilities of each target, summing to 1
+    index: torch.Tensor | None  # [N, K] their columns in the student vocabulary; None: probs is dense over it
+    top: torch.Tensor  # [N] the base model's argmax token id over its full vocabulary
+    kept_mass: torch.Tensor | None = None  # [N] how much of the base distribution `probs` kept before renormalising
+
+
+def teacher_positions(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] True where the next token is a target: there the base distribution is a head's target."""
+    at = torch.zeros_like(mask)
+    at[:, :-1] = mask[:, 1:]
+    return at
+
+
+def teacher_rows(at: torch.Tensor) -> torch.Tensor:
+    return at.long().flatten().cumsum(0).view_as(at) - 1
+
+
+@torch.no_grad()
+def run_teacher(model, tokens: torch.Tensor, mask: torch.Tensor, vocab: torch.Tensor | None, top_k: int,
+                bf16: bool) -> Teacher:
+    """The frozen base model over a batch: hidden states and its next-token distributions at the target
+    positions, restricted to the student vocabulary `vocab` (token ids; None: all), and to the top_k most
+    probable of those (0: all). What is dropped is dropped from the distribution: the kept probabilities
+    are renormalised to sum to 1, so the heads learn the base's distribution over what they can draft."""
+    autocast = torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=bf16)
+    at = teacher_positions(mask)
+    with autocast:
+        hidden = model.model(input_ids=tokens).last_hidden_state.float()  # [B, T, H] post-norm
+        probs = F.softmax(model.lm_head(hidden[at]).float(), dim=-1)  # [N, V]
+    top = probs.argmax(-1)
+    if vocab is not None:
+        probs = probs[:, vocab]
+    index = None
+    if top_k and top_k < probs.shape[-1]:
+        probs, index = probs.topk(top_k, dim=-1)
+    kept = probs.sum(-1)
+    return Teacher(hidden, teacher_rows(at), probs / kept[:, None], index, top, kept)
+
+
 # ---- loss ------------------------------------------------------------------------------------
 
 def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tensor, dropout: float = 0.0,
-                bf16: bool = False) -> tuple[torch.Tensor, list[float], list[int]]:
-    """Mean soft cross-entropy per head ([num_heads]), top-1 agreement with the teacher per head,
-    and the number of target positions per head.
+                bf16: bool = False, teacher: Teacher | None = None,
+                vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float], list[int]]:
+    """Mean soft cross-entropy per head ([num_heads]), top-1 agreement with the base model's argmax
+    per head, and the number of target positions per head.
 
-    tokens, mask: [B, T]. Head i at position t targets token t+i+2, valid where mask[:, t+i+2].
+    tokens, mask: [B, T]. Head i at position t targets token t+i+2, valid where mask[:, t+i+2], and
+    learns the base distribution for it (teacher position t+i+1) over the student vocabulary `vocab`
+    (token ids, the draft vocabulary; None: the full one). `teacher`: from a TeacherCache, or None to
+    run the base model now (its whole distribution over `vocab`).
     """
     base = model.model
+    if teacher is None:
+        teacher = run_teacher(model, tokens, mask, vocab, 0, bf16)
     autocast = torch.autocast(device_type=tokens.device.type, dtype=torch.bfloat16, enabled=bf16)
-    with torch.no_grad(), autocast:
-        hidden = base(input_ids=tokens).last_hidden_state.float()  # [B, T, H] post-norm
+    hidden = teacher.hidden
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     context = hidden
     if heads.prefix_layer is not None:
@@ -211,14 +283,6 @@ def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tens
         with autocast:
             context = heads.prefix_norm(heads.prefix_layer(hidden, position_embeddings=cos_sin)).float()  # [B, T, H]
     embeds = base.embed_tokens(tokens).detach()  # [B, T, H]
-    # The teacher at position p is the base distribution for token p+1; every head's targets are
-    # among the positions whose next token is a target, so project those once for all heads.
-    teacher_at = torch.zeros_like(mask)
-    teacher_at[:, :-1] = mask[:, 1:]  # [B, T]
-    with torch.no_grad(), autocast:
-        teacher = F.softmax(model.lm_head(hidden[teacher_at]).float(), dim=-1)  # [N_all, V]
-    teacher_top = teacher.argmax(-1)
-    teacher_row = teacher_at.long().flatten().cumsum(0).view_as(mask) - 1  # [B, T] row in `teacher`
     losses, accuracy, counts = [], [], []
     for i in range(heads.config.num_heads):
         span = tokens.shape[1] - i - 2  # positions t with a target t+i+2 inside the sequence
@@ -227,27 +291,36 @@ def head_losses(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tens
         valid = mask[:, i + 2:]  # [B, span]
         parts = [context[:, :span]] + [embeds[:, 1 + j: 1 + j + span] for j in range(i + 1)]
         rows = torch.cat(parts, dim=-1)[valid]  # [N, (i+2)H]
-        picked = teacher_row[:, i + 1: i + 1 + span][valid]  # [N]: the base's view of token t+i+2
+        picked = teacher.rows[:, i + 1: i + 1 + span][valid]  # [N]: the base's view of token t+i+2
         with autocast:
-            student = heads.project(i, heads.head_hidden(i, rows, dropout), model.lm_head)  # [N, V]
-        student = student.float()
-        losses.append(F.cross_entropy(student, teacher[picked]))  # soft targets: the base's distribution
-        accuracy.append((student.argmax(-1) == teacher_top[picked]).float().mean().item())
+            student = heads.project(i, heads.head_hidden(i, rows, dropout), model.lm_head, vocab)  # [N, V']
+        log_q = F.log_softmax(student.float(), dim=-1)
+        if teacher.index is not None:
+            log_q = log_q.gather(1, teacher.index[picked])
+        losses.append(-(teacher.probs[picked] * log_q).sum(-1).mean())  # soft targets: the base's distribution
+        drafted = student.argmax(-1)
+        drafted = drafted if vocab is None else vocab[drafted]
+        accuracy.append((drafted == teacher.top[picked]).float().mean().item())
         counts.append(int(valid.sum()))
     return torch.stack(losses), accuracy, counts
 
 
 @torch.no_grad()
-def evaluate(heads: HydraHeads, model, sequences: list[Sequence], batch_tokens: int, pad_id: int) -> dict:
-    """Per-head top-1 agreement with the base model's argmax on held-out target tokens."""
+def evaluate(heads: HydraHeads, model, sequences: list[Sequence], batch_tokens: int, pad_id: int,
+             vocab: torch.Tensor | None = None) -> dict:
+    """Per-head top-1 agreement with the base model's argmax on held-out target tokens, the heads'
+    argmax taken over `vocab` (the draft vocabulary drafting uses; None: all tokens), and the soft
+    cross-entropy against the base's whole distribution over `vocab`."""
     heads.eval()
     bf16_base = next(model.parameters()).dtype == torch.bfloat16  # fp32 heads need autocast over a bf16 base
     hits = [0.0] * heads.config.num_heads
     totals = [0] * heads.config.num_heads
     loss_sum = [0.0] * heads.config.num_heads
-    for batch in batches(sequences, batch_tokens, seed=0, epoch=0):
-        tokens, mask = pad(batch, pad_id, next(model.parameters()).device)
-        losses, accuracy, counts = head_losses(heads, model, tokens, mask, bf16=bf16_base)
+    device = next(model.parameters()).device
+    for batch in batches([len(s.token_ids) for s in sequences], batch_tokens, seed=0, epoch=0):
+        tokens, mask = pad([sequences[k] for k in batch], pad_id, device)
+        losses, accuracy, counts = head_losses(heads, model, tokens, mask, bf16=bf16_base,
+                                               vocab=None if vocab is None else vocab.to(device))
         for i, (loss, acc, n) in enumerate(zip(losses.tolist(), accuracy, counts)):
             hits[i] += acc * n
             loss_sum[i] += loss * n
@@ -268,21 +341,27 @@ def _schedule(cfg: TrainConfig):
 
 
 def train(heads: HydraHeads, model, sequences: list[Sequence], cfg: TrainConfig, out_dir: str | Path,
-          pad_id: int, resume: bool = False, progress: bool = True, save_dtype: torch.dtype | None = None) -> dict:
+          pad_id: int, resume: bool = False, progress: bool = True, save_dtype: torch.dtype | None = None,
+          vocab: torch.Tensor | None = None, cache=None, on_save=None) -> dict:
     """Train `heads` in place; checkpoints to out_dir/checkpoint.pt, final heads saved in out_dir.
 
-    Returns {"steps", "tokens", "seconds", "history"}. Resuming continues the same data order.
+    `vocab`: the student vocabulary (token ids; None: all). `cache`: a TeacherCache of `sequences`, so a
+    step runs only the prefix layer and the heads; None runs the base model every step (the teacher's
+    top cfg.teacher_top_k either way). `on_save(directory)` is called after heads are saved there (the
+    job writes draft_vocab.json beside them). Returns {"step", "tokens", "seconds", "history"}.
+    Resuming continues bit for bit: same data order, optimizer, schedule and dropout stream.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    params = [p for p in heads.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
+    optimizer, scheduler = new_optimizer(heads, cfg)
     state = {"step": 0, "tokens": 0, "seconds": 0.0, "history": []}
     torch.manual_seed(cfg.seed)
     checkpoint = out / CHECKPOINT_FILE
     if resume and checkpoint.is_file():
         saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        if saved.get("config", _resumable(cfg)) != _resumable(cfg):
+            raise ValueError(f"--resume: {checkpoint} was written by another configuration "
+                             f"({saved['config']}); rerun with the same options, or use another --out")
         heads.load_state_dict(saved["heads"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
@@ -290,51 +369,78 @@ def train(heads: HydraHeads, model, sequences: list[Sequence], cfg: TrainConfig,
         torch.set_rng_state(saved["rng"])  # dropout continues as if never stopped
         log.warning("resumed from %s at step %d", checkpoint, state["step"])
     device = next(model.parameters()).device
+    vocab = None if vocab is None else vocab.to(device)
     bar = _progress(cfg.steps, state["step"], progress)
     started = time.time() - state["seconds"]
     heads.train()
-    for batch in _batch_stream(sequences, cfg, state["step"]):
-        tokens, mask = pad(batch, pad_id, device)
-        losses, accuracy, counts = head_losses(heads, model, tokens, mask, cfg.dropout, cfg.bf16)
-        optimizer.zero_grad(set_to_none=True)
-        losses.sum().backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        scheduler.step()
+    for batch in _batch_stream([len(s.token_ids) for s in sequences], cfg, state["step"]):
+        tokens, mask = pad([sequences[k] for k in batch], pad_id, device)
+        teacher = (cache.teacher(batch, mask) if cache is not None
+                   else run_teacher(model, tokens, mask, vocab, cfg.teacher_top_k, cfg.bf16))
+        losses, accuracy = train_step(heads, model, tokens, mask, teacher, vocab, cfg, optimizer, scheduler)
         state["step"] += 1
         state["tokens"] += int(mask.sum())
         state["seconds"] = time.time() - started
         state["history"].append({"step": state["step"], "loss": losses.tolist(), "top1": accuracy,
-                                 "seconds": state["seconds"]})
+                                 "tokens": state["tokens"], "seconds": state["seconds"]})
         bar.update(1)
         bar.set_postfix(loss=f"{losses.sum().item():.3f}", top1="/".join(f"{a:.2f}" for a in accuracy))
         done = state["step"] >= cfg.steps or (cfg.max_minutes is not None and state["seconds"] > 60 * cfg.max_minutes)
         if done or state["step"] % cfg.checkpoint_every == 0:
-            _save_checkpoint(checkpoint, heads, optimizer, scheduler, state)
+            _save_checkpoint(checkpoint, heads, optimizer, scheduler, state, cfg)
         if cfg.snapshot_every and state["step"] % cfg.snapshot_every == 0:
-            save_heads(heads, out / f"step-{state['step']:05d}", save_dtype)
+            snapshot = out / f"step-{state['step']:05d}"
+            save_heads(heads, snapshot, save_dtype)
+            if on_save is not None:
+                on_save(snapshot)
         if done:
             break
     bar.close()
     heads.eval()
     save_heads(heads, out, save_dtype)
+    if on_save is not None:
+        on_save(out)
     (out / "train_history.json").write_text(json.dumps(state["history"]))
     return state
 
 
-def _batch_stream(sequences: list[Sequence], cfg: TrainConfig, start_step: int) -> Iterator[list[Sequence]]:
+def train_step(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tensor, teacher: Teacher,
+               vocab: torch.Tensor | None, cfg: TrainConfig, optimizer, scheduler) -> tuple[torch.Tensor, list[float]]:
+    """One optimizer step on a batch; returns the per-head losses (detached) and top-1 agreement."""
+    losses, accuracy, _ = head_losses(heads, model, tokens, mask, cfg.dropout, cfg.bf16, teacher, vocab)
+    optimizer.zero_grad(set_to_none=True)
+    losses.sum().backward()
+    torch.nn.utils.clip_grad_norm_([p for p in heads.parameters() if p.requires_grad], 1.0)
+    optimizer.step()
+    scheduler.step()
+    return losses.detach(), accuracy
+
+
+def new_optimizer(heads: HydraHeads, cfg: TrainConfig):
+    """AdamW (no weight decay) and the warm-up + cosine schedule of `cfg`."""
+    optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
+
+
+def _resumable(cfg: TrainConfig) -> dict:
+    """What a resumed run must share with the run that wrote the checkpoint: all but the limits (a new
+    --steps stretches the cosine schedule from where it is, the way to extend a finished run)."""
+    return cfg.model_dump(exclude={"steps", "max_minutes", "checkpoint_every", "snapshot_every"})
+
+
+def _batch_stream(lengths: list[int], cfg: TrainConfig, start_step: int) -> Iterator[list[int]]:
     """Batches epoch after epoch, from the one `start_step` would train on (so resume sees the same order)."""
-    per_epoch = len(batches(sequences, cfg.batch_tokens, cfg.seed, 0))
+    per_epoch = len(batches(lengths, cfg.batch_tokens, cfg.seed, 0))
     epoch, position = divmod(start_step, per_epoch)
     while True:
-        yield from batches(sequences, cfg.batch_tokens, cfg.seed, epoch)[position:]
+        yield from batches(lengths, cfg.batch_tokens, cfg.seed, epoch)[position:]
         epoch, position = epoch + 1, 0
 
 
-def _save_checkpoint(path: Path, heads, optimizer, scheduler, state) -> None:
+def _save_checkpoint(path: Path, heads, optimizer, scheduler, state, cfg: TrainConfig) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "state": state, "rng": torch.get_rng_state()}, tmp)
+    torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "state": state, "rng": torch.get_rng_state(), "config": _resumable(cfg)}, tmp)
     tmp.replace(path)  # atomic: a kill mid-save leaves the previous checkpoint
 
 
