@@ -280,3 +280,19 @@ def test_train_heads_job_trains_from_its_cache_and_resumes_to_the_same_heads(tin
     card = json.loads((tmp_path / "split" / "model_card.json").read_text())
     assert card["steps"] == 4 and card["config"]["draft_vocab"] == 64 and card["teacher_cache"]["targets"] > 0
     assert len(load_draft_vocab(tmp_path / "split", None)) == 64
+
+
+def test_bench_train_times_every_lever_and_reports_the_teacher_mass_each_k_keeps(tiny_model_dirs, capsys):
+    import json
+
+    from entmtp_ray.jobs import bench_train
+
+    assert bench_train.main(["--model", str(tiny_model_dirs[0]), "--dtype", "fp32", "--sharegpt", "6", "--steps", "1",
+                             "--repeats", "1", "--draft-vocab", "32", "--top-k", "8", "--max-len", "96",
+                             "--batch-tokens", "128", "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["seconds_per_step"]) == set(bench_train.modes(32, 8))
+    assert all(v > 0 for v in report["seconds_per_step"].values())
+    mass = report["teacher_mass"]
+    kept = [mass["top_k"][str(k)] for k in bench_train.TOP_KS if k <= 32]
+    assert kept == sorted(kept) and 0 < kept[-1] <= mass["draft_vocab"] + 1e-4 <= 1 + 1e-4

@@ -5,7 +5,8 @@
 Modes, each timed on the same batches from the same initial heads, interleaved round by round (the
 median of the rounds is reported): the full vocabulary with the base model run every step (the recipe
 before the draft vocabulary and the cache), then the draft vocabulary, the teacher's top-k, the teacher
-cache, and bf16 autocast off, each adding to the one before. Also reports how much of the teacher's
+cache, each adding to the one before; then bf16 autocast off, and batches four times larger
+(timed per --batch-tokens padded tokens, so every mode is comparable). Also reports how much of the teacher's
 probability mass the draft vocabulary and its top k keep, which is what chooses k. The last stdout
 line is a JSON report.
 """
@@ -40,6 +41,7 @@ def modes(draft_vocab: int, top_k: int) -> dict[str, dict]:
         f"+ teacher top-{top_k}": dict(vocab=draft_vocab, top_k=top_k, cached=False, bf16=True),
         "+ teacher cache": dict(vocab=draft_vocab, top_k=top_k, cached=True, bf16=True),
         "cache, fp32 (no autocast)": dict(vocab=draft_vocab, top_k=top_k, cached=True, bf16=False),
+        "cache, batches x4": dict(vocab=draft_vocab, top_k=top_k, cached=True, bf16=True, batch_scale=4),
     }
 
 
@@ -68,28 +70,35 @@ def main(argv=None) -> int:
         p.error(f"--draft-vocab {args.draft_vocab}: only {len(ranked)} distinct targets in {len(sequences)} "
                 "conversations; pass more --sharegpt or a smaller --draft-vocab")
     vocabularies = {0: None, args.draft_vocab: torch.tensor([t for t, _ in ranked[: args.draft_vocab]])}
-    timed = batches([len(s.token_ids) for s in sequences], args.batch_tokens, seed=0, epoch=0)[: args.steps]
-    inputs = [pad([sequences[k] for k in b], pad_id, loaded.device) for b in timed]
-    mass = teacher_mass(model, inputs, vocabularies[args.draft_vocab])
+    lengths = [len(s.token_ids) for s in sequences]
+    timed, inputs = {}, {}
+    for scale in (1, 4):
+        timed[scale] = batches(lengths, scale * args.batch_tokens, seed=0, epoch=0)[: args.steps]
+        inputs[scale] = [pad([sequences[k] for k in b], pad_id, loaded.device) for b in timed[scale]]
+    mass = teacher_mass(model, inputs[1], vocabularies[args.draft_vocab])
     with tempfile.TemporaryDirectory() as tmp:
         cache = TeacherCache.build(tmp, args.model, model, sequences, pad_id, vocabularies[args.draft_vocab],
                                    args.top_k, True, progress=False)
         seconds: dict[str, list[float]] = {name: [] for name in modes(args.draft_vocab, args.top_k)}
         for _ in range(args.repeats):
             for name, mode in modes(args.draft_vocab, args.top_k).items():
-                seconds[name].append(time_steps(loaded, mode, vocabularies[mode["vocab"]], timed, inputs, cache))
+                scale = mode.get("batch_scale", 1)
+                per_step = time_steps(loaded, mode, vocabularies[mode["vocab"]], timed[scale], inputs[scale], cache)
+                padded = statistics.mean(int(t.numel()) for t, _ in inputs[scale])
+                seconds[name].append(per_step * args.batch_tokens / padded)
     base = statistics.median(seconds["full vocab, base every step"])
     report = {
         "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": machine_name(),
         "device": str(loaded.device), "batch_tokens": args.batch_tokens, "steps": args.steps, "repeats": args.repeats,
-        "padded_tokens_per_step": statistics.mean(int(t.numel()) for t, _ in inputs),
-        "target_tokens_per_step": statistics.mean(int(m.sum()) for _, m in inputs),
+        "padded_tokens_per_step": statistics.mean(int(t.numel()) for t, _ in inputs[1]),
+        "target_tokens_per_step": statistics.mean(int(m.sum()) for _, m in inputs[1]),
+        # seconds per --batch-tokens padded tokens (a step's worth, whatever the mode's batches)
         "seconds_per_step": {name: round(statistics.median(v), 3) for name, v in seconds.items()},
         "speedup_vs_before": {name: round(base / statistics.median(v), 2) for name, v in seconds.items()},
         "teacher_mass": mass,
         "cache_bytes_per_token": round(cache.stats["bytes"] / cache.stats["tokens"], 1),
     }
-    print(f"{'mode':<30} {'s/step':>7} {'x before':>8}", file=sys.stderr)
+    print(f"{'mode':<30} {'s/step':>7} {'x before':>8}   (s per {args.batch_tokens} padded tokens)", file=sys.stderr)
     for name in seconds:
         print(f"{name:<30} {report['seconds_per_step'][name]:>7.3f} {report['speedup_vs_before'][name]:>8.2f}",
               file=sys.stderr)
@@ -100,13 +109,13 @@ def main(argv=None) -> int:
 @torch.no_grad()
 def teacher_mass(model, inputs, vocab: torch.Tensor) -> dict:
     """Mean share of the base distribution kept by the draft vocabulary, and by its top k for each k."""
-    kept, per_k = [], {k: [] for k in TOP_KS}
+    kept, per_k = [], {k: [] for k in TOP_KS if k <= len(vocab)}
     for tokens, mask in inputs:
         teacher = run_teacher(model, tokens, mask, vocab, 0, True)
         restricted = teacher.probs * teacher.kept_mass[:, None]  # back to shares of the whole distribution
         kept.append(teacher.kept_mass)
         ranked = restricted.sort(-1, descending=True).values.cumsum(-1)
-        for k in TOP_KS:
+        for k in per_k:
             per_k[k].append(ranked[:, k - 1])
     return {"draft_vocab": round(float(torch.cat(kept).mean()), 4),
             "top_k": {k: round(float(torch.cat(v).mean()), 4) for k, v in per_k.items()}}
