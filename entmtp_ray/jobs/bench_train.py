@@ -25,7 +25,7 @@ import torch
 from entmtp_ray.cli import quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model.heads import init_heads
-from entmtp_ray.model.loading import load_model, machine_name
+from entmtp_ray.model.loading import draft_vocab_for, load_model, machine_name
 from entmtp_ray.train.cache import TeacherCache
 from entmtp_ray.train.trainer import (TrainConfig, batches, chat_sequence, new_optimizer, pad, rank_targets,
                                       run_teacher, sharegpt_conversations, train_step)
@@ -65,11 +65,17 @@ def main(argv=None) -> int:
     model, pad_id = loaded.model, loaded.tokenizer.pad_token_id or 0
     sequences = [s for s in (chat_sequence(loaded, c, args.max_len) for c in sharegpt_conversations(args.sharegpt))
                  if s is not None]
-    ranked = rank_targets(sequences)
-    if len(ranked) < args.draft_vocab:
-        p.error(f"--draft-vocab {args.draft_vocab}: only {len(ranked)} distinct targets in {len(sequences)} "
-                "conversations; pass more --sharegpt or a smaller --draft-vocab")
-    vocabularies = {0: None, args.draft_vocab: torch.tensor([t for t, _ in ranked[: args.draft_vocab]])}
+    try:  # the ranking shipped beside the model's heads (from all their training text), else this sample's
+        ids = draft_vocab_for(args.model, None, args.draft_vocab)
+    except (FileNotFoundError, ValueError):
+        ids = None
+    if ids is None:
+        ids = [t for t, _ in rank_targets(sequences)[: args.draft_vocab]]
+        if len(ids) < args.draft_vocab:
+            p.error(f"--draft-vocab {args.draft_vocab}: only {len(ids)} distinct targets in {len(sequences)} "
+                    "conversations and no draft_vocab.json beside the model's heads; pass more --sharegpt or a "
+                    "smaller --draft-vocab")
+    vocabularies = {0: None, args.draft_vocab: torch.tensor(ids)}
     lengths = [len(s.token_ids) for s in sequences]
     timed, inputs = {}, {}
     for scale in (1, 4):
