@@ -87,7 +87,8 @@ class TeacherCache:
             log.warning("teacher cache %s: computing %d of %d shards", where, len(missing), len(shards))
             device = next(model.parameters()).device
             started = time.time()
-            with tqdm(total=len(missing) * SHARD_SEQUENCES, disable=not progress, desc="teacher cache",
+            total = sum(len(sequences[s: s + SHARD_SEQUENCES]) for s in missing)
+            with tqdm(total=total, disable=not progress, desc="teacher cache",
                       unit="seq") as bar:
                 for start in missing:
                     chunk = sequences[start: start + SHARD_SEQUENCES]
