@@ -296,3 +296,18 @@ def test_bench_train_times_every_lever_and_reports_the_teacher_mass_each_k_keeps
     mass = report["teacher_mass"]
     kept = [mass["top_k"][str(k)] for k in bench_train.TOP_KS if k <= 32]
     assert kept == sorted(kept) and 0 < kept[-1] <= mass["draft_vocab"] + 1e-4 <= 1 + 1e-4
+
+
+def test_draft_vocab_job_ranks_the_training_targets(tiny_model_dirs, tiny, tmp_path):
+    import shutil
+
+    from entmtp_ray.jobs import draft_vocab
+    from entmtp_ray.model.heads import load_draft_vocab
+
+    heads = tmp_path / "heads"
+    shutil.copytree(tiny_model_dirs[1], heads)
+    assert draft_vocab.main(["--model", str(tiny_model_dirs[0]), "--heads", str(heads), "--sharegpt", "5",
+                             "--max-len", "96", "--default-size", "16"]) == 0
+    sequences = [s for s in (chat_sequence(tiny, c, 96) for c in training.sharegpt_conversations(5)) if s is not None]
+    assert load_draft_vocab(heads, None) == [t for t, _ in training.rank_targets(sequences)[:16]]
+    assert training.coverage(training.rank_targets(sequences), (16,))[16] > 0

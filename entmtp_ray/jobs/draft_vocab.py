@@ -20,7 +20,8 @@ from pathlib import Path
 from entmtp_ray.model.heads import save_draft_vocab
 from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model.loading import load_model
-from entmtp_ray.train.trainer import chat_sequence, generated_conversations, rank_targets, sharegpt_conversations
+from entmtp_ray.train.trainer import (chat_sequence, coverage, generated_conversations, rank_targets,
+                                      sharegpt_conversations)
 
 
 def main(argv=None) -> int:
@@ -44,11 +45,11 @@ def main(argv=None) -> int:
         p.error(f"--default-size {args.default_size}: only {len(ranked)} distinct tokens occur in this text; "
                 "pass a smaller size or more data")
     total = sum(c for _, c in ranked)
-    coverage = {k: sum(c for _, c in ranked[:k]) / total for k in (2048, 4096, 8192, 16384, 32768) if k <= len(ranked)}
+    covered = coverage(ranked)
     source = {"sharegpt_conversations": args.sharegpt, "self_distill": args.self_distill, "max_len": args.max_len,
-              "conversations": len(conversations), "coverage_of_targets": coverage}
+              "conversations": len(conversations), "coverage_of_targets": covered}
     save_draft_vocab([t for t, _ in ranked], [c for _, c in ranked], heads, source, args.default_size)
-    print(json.dumps({"heads": str(heads), "target_tokens": total, "distinct": len(ranked), "coverage": coverage,
+    print(json.dumps({"heads": str(heads), "target_tokens": total, "distinct": len(ranked), "coverage": covered,
                       "default_size": args.default_size, "seconds": round(time.time() - started, 1)}))
     return 0
 

@@ -25,7 +25,7 @@ from entmtp_ray.model.heads import init_heads, save_draft_vocab
 from entmtp_ray.config import ModelConfig
 from entmtp_ray.model.loading import load_model, machine_name
 from entmtp_ray.train.cache import TeacherCache
-from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, evaluate, generated_conversations,
+from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, coverage, evaluate, generated_conversations,
                                       rank_targets, sharegpt_conversations, train)
 
 
@@ -77,9 +77,9 @@ def main(argv=None) -> int:
                 "pass a smaller size, or 0 for the full vocabulary")
     vocab = torch.tensor([t for t, _ in ranked[: cfg.draft_vocab]]) if cfg.draft_vocab else None
     total = sum(c for _, c in ranked)
-    coverage = {k: sum(c for _, c in ranked[:k]) / total for k in (2048, 4096, 8192, 16384) if k <= len(ranked)}
+    covered = coverage(ranked)
     vocab_source = {"sharegpt_conversations": args.sharegpt, "self_distill": args.self_distill,
-                    "max_len": cfg.max_len, "conversations": len(conversations), "coverage_of_targets": coverage}
+                    "max_len": cfg.max_len, "conversations": len(conversations), "coverage_of_targets": covered}
 
     def write_draft_vocab(directory: Path) -> None:  # the ranking beside every saved set of heads
         save_draft_vocab([t for t, _ in ranked], [c for _, c in ranked], directory, vocab_source,
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         "data": {"sharegpt_conversations": args.sharegpt, "self_distill": args.self_distill,
                  "distill_repeat": args.distill_repeat,
                  "training_sequences": len(training), "heldout_sequences": len(heldout),
-                 "target_tokens": total, "draft_vocab_coverage_of_targets": coverage},
+                 "target_tokens": total, "draft_vocab_coverage_of_targets": covered},
         "teacher_cache": cache.stats if cache is not None else None,
         "target_tokens_seen": state["tokens"],
         "steps": state["step"],

@@ -207,6 +207,12 @@ def rank_targets(sequences: Iterable[Sequence]) -> list[tuple[int, int]]:
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
+def coverage(ranked: list[tuple[int, int]], sizes=(2048, 4096, 8192, 16384, 32768)) -> dict[int, float]:
+    """Share of all target tokens that the first K ranked tokens cover, for each K there are that many."""
+    total = sum(c for _, c in ranked)
+    return {k: sum(c for _, c in ranked[:k]) / total for k in sizes if k <= len(ranked)}
+
+
 # ---- teacher ---------------------------------------------------------------------------------
 
 @dataclass
