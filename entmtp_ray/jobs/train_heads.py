@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = config_from_args(TrainConfig, args)
+    if args.no_cache and args.cache:
+        p.error("--cache and --no-cache: pass one (--no-cache runs the base model every step and reads no cache)")
     started = time.time()
 
     loaded = load_model(args.model, dtype=args.dtype)

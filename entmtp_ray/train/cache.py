@@ -101,7 +101,9 @@ class TeacherCache:
         parts = [load_file(str(where / _shard_name(s))) for s in shards]
         joined = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
         mass = joined.pop("kept_mass")
+        built = json.loads((where / MANIFEST).read_text()) if (where / MANIFEST).is_file() else {}
         stats = {"directory": str(where), "tokens": int(joined["lengths"].sum()), "targets": len(joined["top"]),
+                 "build_seconds": built.get("last_build_seconds"),
                  "teacher_mass_kept": float(mass.float().mean()), "bytes": sum(
                      (where / _shard_name(s)).stat().st_size for s in shards)}
         return cls(joined["hidden"], joined["probs"], joined.get("index"), joined["top"],
