@@ -9,8 +9,8 @@ step then runs only the prefix layer and the heads.
 
 Layout: `<directory>/<fingerprint>/` holds `cache.json` and `shard-NNNNN.safetensors`, one per
 SHARD_SEQUENCES sequences, each written atomically, so a killed build resumes at its first missing
-shard. The fingerprint covers the model, its dtype, the student vocabulary, K and every sequence's
-tokens and targets: other data gets another cache beside this one, never a stale one.
+shard. The fingerprint covers the model, its dtype (and autocast), the student vocabulary, K and every
+sequence's tokens and targets: other data gets another cache beside this one, never a stale one.
 """
 
 from __future__ import annotations
@@ -24,17 +24,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from entmtp_ray.train.trainer import Sequence, Teacher, pad, run_teacher, teacher_positions, teacher_rows
+from entmtp_ray.train.trainer import (Sequence, Teacher, batches, pad, run_teacher, teacher_positions,
+                                      teacher_rows)
 
 log = logging.getLogger(__name__)
 SHARD_SEQUENCES = 256
 MANIFEST = "cache.json"
 
 
-def fingerprint(model_name: str, dtype: torch.dtype, vocab: torch.Tensor | None, top_k: int,
+def fingerprint(model_name: str, dtype: torch.dtype, bf16: bool, vocab: torch.Tensor | None, top_k: int,
                 sequences: list[Sequence]) -> str:
     digest = hashlib.sha256(json.dumps({"model": model_name, "dtype": str(dtype), "top_k": top_k,
                                         "vocab": None if vocab is None else vocab.tolist()}).encode())
+    if bf16 and dtype != torch.bfloat16:  # autocast changes an fp32 or fp16 base's outputs, not a bf16 one's
+        digest.update(b"autocast-bf16")
     for seq in sequences:
         digest.update(torch.tensor(seq.token_ids, dtype=torch.int32).numpy().tobytes())
         digest.update(bytes(seq.target_mask))
@@ -77,7 +80,7 @@ class TeacherCache:
               progress: bool = True) -> TeacherCache:
         """Load the cache of `sequences` under `directory`, computing the shards it lacks first."""
         dtype = next(model.parameters()).dtype
-        where = Path(directory) / fingerprint(model_name, dtype, vocab, top_k, sequences)
+        where = Path(directory) / fingerprint(model_name, dtype, bf16, vocab, top_k, sequences)
         where.mkdir(parents=True, exist_ok=True)
         shards = range(0, len(sequences), SHARD_SEQUENCES)
         missing = [s for s in shards if not (where / _shard_name(s)).is_file()]
@@ -118,8 +121,6 @@ def _shard_name(start: int) -> str:
 def _write_shard(path: Path, model, chunk: list[Sequence], pad_id: int, vocab, top_k: int, bf16: bool,
                  batch_tokens: int, device, dtype, bar) -> None:
     """One shard: the chunk's sequences run in length-sorted padded batches, stored in chunk order."""
-    from entmtp_ray.train.trainer import batches
-
     per_seq: dict[int, tuple] = {}
     for batch in batches([len(s.token_ids) for s in chunk], batch_tokens, seed=0, epoch=0):
         tokens, mask = pad([chunk[k] for k in batch], pad_id, device)
