@@ -100,7 +100,7 @@ class TeacherCache:
             (where / MANIFEST).write_text(json.dumps({
                 "model": model_name, "dtype": str(dtype), "top_k": top_k,
                 "vocab": 0 if vocab is None else len(vocab), "sequences": len(sequences),
-                "last_build_seconds": round(time.time() - started, 1)}, indent=2) + "\n")
+                "last_build_seconds": round(time.time() - started, 3)}, indent=2) + "\n")
         parts = [load_file(str(where / _shard_name(s))) for s in shards]
         joined = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
         mass = joined.pop("kept_mass")
