@@ -121,29 +121,26 @@ def _shard_name(start: int) -> str:
 def _write_shard(path: Path, model, chunk: list[Sequence], pad_id: int, vocab, top_k: int, bf16: bool,
                  batch_tokens: int, device, dtype, bar) -> None:
     """One shard: the chunk's sequences run in length-sorted padded batches, stored in chunk order."""
-    per_seq: dict[int, tuple] = {}
+    kept = ("probs", "index", "top", "kept_mass")  # Teacher fields, one row per target
+    per_seq: dict[str, list] = {key: [None] * len(chunk) for key in ("hidden", *kept)}
     for batch in batches([len(s.token_ids) for s in chunk], batch_tokens, seed=0, epoch=0):
         tokens, mask = pad([chunk[k] for k in batch], pad_id, device)
         full = run_teacher(model, tokens, mask, vocab, top_k, bf16)
         at = teacher_positions(mask)
         row_of = teacher_rows(at)
         for row, k in enumerate(batch):
-            n = len(chunk[k].token_ids)
             rows = row_of[row][at[row]]
-            per_seq[k] = (full.hidden[row, :n].to(dtype), full.probs[rows], None if full.index is None
-                          else full.index[rows], full.top[rows], full.kept_mass[rows])
+            per_seq["hidden"][k] = full.hidden[row, : len(chunk[k].token_ids)].to(dtype)
+            for key in kept:
+                value = getattr(full, key)
+                per_seq[key][k] = None if value is None else value[rows]
         bar.update(len(batch))
-    order = range(len(chunk))
-    tensors = {
-        "hidden": torch.cat([per_seq[k][0] for k in order]).cpu().contiguous(),
-        "probs": torch.cat([per_seq[k][1] for k in order]).cpu().contiguous(),
-        "top": torch.cat([per_seq[k][3] for k in order]).to(torch.int32).cpu().contiguous(),
-        "kept_mass": torch.cat([per_seq[k][4] for k in order]).cpu().contiguous(),
-        "lengths": torch.tensor([len(s.token_ids) for s in chunk], dtype=torch.int64),
-        "targets": torch.tensor([len(per_seq[k][3]) for k in order], dtype=torch.int64),
-    }
-    if per_seq[0][2] is not None:
-        tensors["index"] = torch.cat([per_seq[k][2] for k in order]).to(torch.int32).cpu().contiguous()
+    tensors = {key: torch.cat(parts).cpu().contiguous() for key, parts in per_seq.items() if parts[0] is not None}
+    for key in ("index", "top"):
+        if key in tensors:
+            tensors[key] = tensors[key].to(torch.int32)
+    tensors["lengths"] = torch.tensor([len(s.token_ids) for s in chunk], dtype=torch.int64)
+    tensors["targets"] = torch.tensor([len(t) for t in per_seq["top"]], dtype=torch.int64)
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(path)

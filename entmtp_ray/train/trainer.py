@@ -323,10 +323,10 @@ def evaluate(heads: HydraHeads, model, sequences: list[Sequence], batch_tokens: 
     totals = [0] * heads.config.num_heads
     loss_sum = [0.0] * heads.config.num_heads
     device = next(model.parameters()).device
+    vocab = None if vocab is None else vocab.to(device)
     for batch in batches([len(s.token_ids) for s in sequences], batch_tokens, seed=0, epoch=0):
         tokens, mask = pad([sequences[k] for k in batch], pad_id, device)
-        losses, accuracy, counts = head_losses(heads, model, tokens, mask, bf16=bf16_base,
-                                               vocab=None if vocab is None else vocab.to(device))
+        losses, accuracy, counts = head_losses(heads, model, tokens, mask, bf16=bf16_base, vocab=vocab)
         for i, (loss, acc, n) in enumerate(zip(losses.tolist(), accuracy, counts)):
             hits[i] += acc * n
             loss_sum[i] += loss * n
@@ -416,7 +416,7 @@ def train_step(heads: HydraHeads, model, tokens: torch.Tensor, mask: torch.Tenso
     losses, accuracy, _ = head_losses(heads, model, tokens, mask, cfg.dropout, cfg.bf16, teacher, vocab)
     optimizer.zero_grad(set_to_none=True)
     losses.sum().backward()
-    torch.nn.utils.clip_grad_norm_([p for p in heads.parameters() if p.requires_grad], 1.0)
+    torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], 1.0)  # the trained parameters
     optimizer.step()
     scheduler.step()
     return losses.detach(), accuracy
