@@ -138,3 +138,41 @@ def test_replay_reproduces_greedy_decoding_of_a_switching_policy():
         assert 0 < result.schedule_s < 0.05 * result.decode_s, k  # the scheduler is timed, and cheap
         switches += replayed.switches
     assert switches > 0, "the thresholds should make this policy switch at least once"
+
+
+def test_cached_rank_tables_are_reused_only_for_the_same_heads(tiny_model_dirs, tmp_path):
+    """A bank rebuilt after new heads were written over the same folder measures afresh (stale tables would
+    calibrate the new heads' bank on the old heads' acceptance)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from entmtp_ray.pipeline.calibration import CalibrationRow, measure_tables
+
+    model_dir, heads_dir = tiny_model_dirs
+    heads = tmp_path / "heads"
+    shutil.copytree(heads_dir, heads)
+    cfg = ModelConfig(model=str(model_dir), heads=str(heads), dtype="fp32", device="cpu")
+    engine = Engine(cfg, DecodingConfig(policy="hydra", max_new_tokens=12))
+    result = engine.generate("r", "Tell me about rivers.")
+    rows = [CalibrationRow("r", "Tell me about rivers.", result.output_token_ids)]
+    work = tmp_path / "work"
+    work.mkdir()
+    with torch.inference_mode():
+        first = measure_tables(engine, rows, work)
+    saved = json.loads((work / "tables.json").read_text())
+    assert saved["measured_by"]["heads"] and saved["ids"] == ["r"]
+    saved["rollouts"][0]["rows"] = [[0, 0, 0, 0]] * len(saved["rollouts"][0]["rows"])  # a marker: read, not measured
+    (work / "tables.json").write_text(json.dumps(saved))
+    with torch.inference_mode():
+        assert measure_tables(engine, rows, work)[0].rows == saved["rollouts"][0]["rows"]
+
+    weights = load_file(heads / "heads.safetensors")
+    save_file({k: v + 0.5 * torch.randn_like(v) for k, v in weights.items()}, heads / "heads.safetensors")
+    retrained = Engine(cfg, DecodingConfig(policy="hydra", max_new_tokens=12))
+    with torch.inference_mode():
+        again = measure_tables(retrained, rows, work)
+    assert again[0].rows != saved["rollouts"][0]["rows"], "new heads in the same folder were measured afresh"
+    assert json.loads((work / "tables.json").read_text())["measured_by"]["heads"] != saved["measured_by"]["heads"]
+    assert len(again[0].rows) == len(first[0].rows)

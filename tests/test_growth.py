@@ -234,7 +234,8 @@ def test_the_signal_power_job_on_held_out_prompts(tiny_model_dirs, tmp_path, cap
     assert power["prompts"] == 2 and power["tree"] == "hydra" and set(power["signals"]) == {"entropy", "top1",
                                                                                               "path", "accepted"}
     assert "| entropy |" in capsys.readouterr().out
-    cached = (tmp_path / "work" / "rollouts-12.jsonl").read_text().splitlines()
+    saved = next((tmp_path / "work").glob("rollouts-12-*.jsonl"))  # named by the model and heads measured
+    cached = saved.read_text().splitlines()
     assert len(cached) == 2
     assert main(args) == 0  # from the cache: nothing decoded again
-    assert (tmp_path / "work" / "rollouts-12.jsonl").read_text().splitlines() == cached
+    assert saved.read_text().splitlines() == cached

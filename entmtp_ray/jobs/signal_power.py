@@ -7,12 +7,13 @@ Greedy rollouts of the task's `eval` prompts (which no bank or head saw), each m
 the verifier's statistics along it, as a bank's calibration does), then every signal replayed under one fixed
 tree (calibrate/predict.py): Hydra's by default, or a bank's star (--tree BANK.json). Prints a Markdown table:
 each signal's Pearson correlation with the accepted length of the step it preceded, and the mean accepted
-length per fifth of its values, most confident fifth first. Rollouts are cached under --work.
+length per fifth of its values, most confident fifth first. Rollouts are cached under --work (per model and heads).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from entmtp_ray.calibrate.bank import load_bank
-from entmtp_ray.pipeline.calibration import MAX_RANKS
+from entmtp_ray.pipeline.calibration import MAX_RANKS, measurement_key
 from entmtp_ray.calibrate.predict import power_table, signal_power
 from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
@@ -91,7 +92,9 @@ def main(argv=None) -> int:
     work = Path(args.work or f"runs/power-{args.task}")
     work.mkdir(parents=True, exist_ok=True)
     prompts = list(zip(table.column("id").to_pylist(), table.column("prompt").to_pylist()))
-    measured = rollouts(engine, prompts, work / f"rollouts-{args.max_new_tokens}.jsonl")
+    # measurements of other heads (or model, dtype) are never mixed in: the file is named by what they depend on
+    measured_by = hashlib.sha256(json.dumps(measurement_key(engine), sort_keys=True).encode()).hexdigest()[:12]
+    measured = rollouts(engine, prompts, work / f"rollouts-{args.max_new_tokens}-{measured_by}.jsonl")
     power = signal_power(measured, tree, args.beta)
     print(f"task {args.task}, {len(measured)} eval prompts, tree {tree.name} ({tree.num_nodes} nodes), "
           f"beta {args.beta}\n\n{power_table(power)}")

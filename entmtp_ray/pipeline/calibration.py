@@ -33,6 +33,7 @@ from entmtp_ray.decode.loop import row_generator
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology
 from entmtp_ray.pipeline.engine import Engine
+from entmtp_ray.pipeline.manifest import heads_identity
 
 MAX_RANKS = (16, 8, 8, 8, 8)  # ranks kept per depth; a tree never needs more children than these
 
@@ -46,22 +47,30 @@ class CalibrationRow:
     output_token_ids: list[int]
 
 
+def measurement_key(engine: Engine) -> dict:
+    """What a rollout's rank table depends on besides its tokens: the model and how it runs, and the heads by
+    content (new heads written over the same folder are other heads)."""
+    cfg = engine.model_cfg
+    return {"model": cfg.model, "dtype": str(engine.loaded.dtype), "quantize": engine.loaded.quantize,
+            "chat_format": engine.loaded.chat_format, "heads": heads_identity(cfg)[1],
+            "draft_vocab": engine.stack.draft_vocab_size}
+
+
 def measure_tables(engine: Engine, rows: list[CalibrationRow], work: Path) -> list[Rollout]:
-    """Each rollout's rank table and verifier statistics (stage 1), in id order; cached in work/tables.json."""
+    """Each rollout's rank table and verifier statistics (stage 1), in id order; cached in work/tables.json for
+    the same rollouts measured by the same model and heads (`measurement_key`), else measured afresh."""
     cache = work / "tables.json"
     rows = sorted((r for r in rows if r.output_token_ids), key=lambda r: r.id)
-    key = [r.id for r in rows]
+    key = {"ids": [r.id for r in rows], "measured_by": measurement_key(engine)}
     if cache.is_file():
         saved = json.loads(cache.read_text())
-        if isinstance(saved, list):  # written before the file named its rollouts
-            return [Rollout(**r) for r in saved]
-        if saved["ids"] == key:  # the same rollouts (else measured afresh)
+        if isinstance(saved, dict) and all(saved.get(k) == v for k, v in key.items()):
             return [Rollout(**r) for r in saved["rollouts"]]
     measured = []
     for row in rows:
         ids = engine.encode(row.prompt)
         measured.append(measure_rollout(engine.decoder, ids + list(row.output_token_ids), len(ids), MAX_RANKS))
-    cache.write_text(json.dumps({"ids": key, "rollouts": [r.__dict__ for r in measured]}))
+    cache.write_text(json.dumps({**key, "rollouts": [r.__dict__ for r in measured]}))
     return measured
 
 
