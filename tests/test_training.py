@@ -297,3 +297,32 @@ def test_draft_vocab_job_ranks_the_training_targets(tiny_model_dirs, tiny, tmp_p
     sequences = [s for s in (chat_sequence(tiny, c, 96) for c in training.sharegpt_conversations(5)) if s is not None]
     assert load_draft_vocab(heads, None) == [t for t, _ in training.rank_targets(sequences)[:16]]
     assert training.coverage(training.rank_targets(sequences), (16,))[16] > 0
+
+
+def test_train_heads_job_fine_tunes_from_init_heads_and_counts_their_tokens(tiny_model_dirs, tmp_path):
+    """--init-heads starts from trained heads, not fresh ones: a step at a negligible learning rate leaves
+    their weights where they were, and the model card adds the tokens they had seen to this run's."""
+    import json
+
+    from entmtp_ray.jobs import train_heads
+
+    common = ["--model", str(tiny_model_dirs[0]), "--dtype", "fp32", "--sharegpt", "6", "--heldout", "2",
+              "--max-len", "96", "--batch-tokens", "192", "--draft-vocab", "64", "--teacher-top-k", "8",
+              "--warmup-steps", "1", "--dropout", "0.1", "--threads", "1", "--cache", str(tmp_path / "cache"),
+              "--num-heads", "2", "--num-layers", "1"]
+    assert train_heads.main(common + ["--out", str(tmp_path / "first"), "--steps", "3"]) == 0
+    assert train_heads.main(common + ["--out", str(tmp_path / "tuned"), "--steps", "1", "--lr", "1e-12",
+                                      "--init-heads", str(tmp_path / "first")]) == 0
+    base = load_model(str(tiny_model_dirs[0]), dtype="fp32", device="cpu").model
+    a, b = load_heads(tmp_path / "first", base), load_heads(tmp_path / "tuned", base)
+    fresh = init_heads(base, num_heads=2, num_layers=1, seed=0)
+    moved = [n for n, p in a.state_dict().items() if not torch.equal(p, fresh.state_dict()[n])]
+    assert moved  # the first run trained its heads away from a fresh start
+    for name, p in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[name], p, rtol=0, atol=1e-6, msg=name)
+    cards = {d: json.loads((tmp_path / d / "model_card.json").read_text()) for d in ("first", "tuned")}
+    start = cards["tuned"]["init_heads"]
+    assert start["path"] == str(tmp_path / "first") and len(start["weights_sha256"]) == 64
+    assert start["target_tokens_seen_in_total"] == cards["first"]["target_tokens_seen"] > 0
+    assert (cards["tuned"]["target_tokens_seen_in_total"]
+            == cards["first"]["target_tokens_seen"] + cards["tuned"]["target_tokens_seen"])

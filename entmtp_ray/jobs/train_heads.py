@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
-from entmtp_ray.model.heads import init_heads, save_draft_vocab
+from entmtp_ray.model.heads import WEIGHTS_FILE, init_heads, load_heads, save_draft_vocab
 from entmtp_ray.config import ModelConfig
 from entmtp_ray.model.loading import load_model, machine_name
+from entmtp_ray.pipeline.manifest import content_hash
 from entmtp_ray.train.cache import TeacherCache
 from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, coverage, evaluate, generated_conversations,
                                       rank_targets, sharegpt_conversations, train)
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="teacher cache directory (default: OUT/teacher-cache): the base "
                    "model's hidden states and top-k distributions, computed once and reused by every pass and run")
     p.add_argument("--no-cache", action="store_true", help="run the frozen base model on every step instead")
+    p.add_argument("--init-heads", default=None, help="start from these heads instead of fresh ones (this "
+                   "project's format or a published Hydra checkpoint): fine-tune shipped heads on new data; "
+                   "their architecture replaces --num-heads, --num-layers and --own-lm-heads")
     add_config_args(p, TrainConfig)
     args = p.parse_args(argv)
     quiet_logging()
@@ -94,8 +98,12 @@ def main(argv=None) -> int:
         cache = TeacherCache.build(args.cache or out / "teacher-cache", args.model, loaded.model, training, pad_id,
                                    vocab, cfg.teacher_top_k, cfg.bf16)
         print(f"teacher cache: {json.dumps(cache.stats)}", file=sys.stderr)
-    heads = init_heads(loaded.model, args.num_heads, args.num_layers, shared_lm_head=not args.own_lm_heads,
-                       seed=cfg.seed, base_name=args.model)  # with --resume, train() loads the checkpoint over it
+    # with --resume, train() loads the checkpoint over these
+    if args.init_heads:
+        heads, start = load_heads(args.init_heads, loaded.model), starting_point(Path(args.init_heads))
+    else:
+        heads, start = init_heads(loaded.model, args.num_heads, args.num_layers, shared_lm_head=not args.own_lm_heads,
+                                  seed=cfg.seed, base_name=args.model), None
     heads.to(loaded.device)
     state = train(heads, loaded.model, training, cfg, out, pad_id, resume=args.resume,
                   save_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype],
@@ -108,7 +116,10 @@ def main(argv=None) -> int:
                  "training_sequences": len(training), "heldout_sequences": len(heldout),
                  "target_tokens": total, "draft_vocab_coverage_of_targets": covered},
         "teacher_cache": cache.stats if cache is not None else None,
+        "init_heads": start,
         "target_tokens_seen": state["tokens"],
+        # with --init-heads: these heads' whole training, theirs and this run's
+        "target_tokens_seen_in_total": state["tokens"] + (start or {}).get("target_tokens_seen_in_total", 0),
         "steps": state["step"],
         "train_seconds": state["seconds"],
         "base_dtype": args.dtype,
@@ -121,6 +132,16 @@ def main(argv=None) -> int:
     (out / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card))
     return 0
+
+
+def starting_point(directory: Path) -> dict:
+    """What --init-heads started from, for the model card: the folder, its weights' sha256, and the tokens its
+    own model card says it was trained on (0 when it has none, e.g. a published checkpoint)."""
+    weights = next((directory / name for name in (WEIGHTS_FILE, "hydra_lm_head.pt") if (directory / name).is_file()))
+    card_file = directory / "model_card.json"
+    card = json.loads(card_file.read_text()) if card_file.is_file() else {}
+    return {"path": str(directory), "weights_sha256": content_hash(weights),
+            "target_tokens_seen_in_total": card.get("target_tokens_seen_in_total", card.get("target_tokens_seen", 0))}
 
 
 if __name__ == "__main__":
