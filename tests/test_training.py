@@ -301,7 +301,8 @@ def test_draft_vocab_job_ranks_the_training_targets(tiny_model_dirs, tiny, tmp_p
 
 def test_train_heads_job_fine_tunes_from_init_heads_and_counts_their_tokens(tiny_model_dirs, tmp_path):
     """--init-heads starts from trained heads, not fresh ones: a step at a negligible learning rate leaves
-    their weights where they were, and the model card adds the tokens they had seen to this run's."""
+    their weights where they were, and the model card adds the tokens they had seen to this run's. A wrong
+    folder fails before the teacher cache is built."""
     import json
 
     from entmtp_ray.jobs import train_heads
@@ -310,6 +311,10 @@ def test_train_heads_job_fine_tunes_from_init_heads_and_counts_their_tokens(tiny
               "--max-len", "96", "--batch-tokens", "192", "--draft-vocab", "64", "--teacher-top-k", "8",
               "--warmup-steps", "1", "--dropout", "0.1", "--threads", "1", "--cache", str(tmp_path / "cache"),
               "--num-heads", "2", "--num-layers", "1"]
+    with pytest.raises(FileNotFoundError, match="no heads in"):  # before any data or cache work
+        train_heads.main(common + ["--cache", str(tmp_path / "early"), "--out", str(tmp_path / "bad"),
+                                   "--init-heads", str(tmp_path / "missing")])
+    assert not (tmp_path / "early").exists()
     assert train_heads.main(common + ["--out", str(tmp_path / "first"), "--steps", "3"]) == 0
     assert train_heads.main(common + ["--out", str(tmp_path / "tuned"), "--steps", "1", "--lr", "1e-12",
                                       "--init-heads", str(tmp_path / "first")]) == 0

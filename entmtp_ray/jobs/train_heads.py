@@ -67,6 +67,13 @@ def main(argv=None) -> int:
     started = time.time()
 
     loaded = load_model(args.model, dtype=args.dtype)
+    # before any data or cache work, so a wrong --init-heads fails at once; with --resume, train() loads the
+    # checkpoint over these
+    if args.init_heads:
+        heads, start = load_heads(args.init_heads, loaded.model), starting_point(Path(args.init_heads))
+    else:
+        heads, start = init_heads(loaded.model, args.num_heads, args.num_layers, shared_lm_head=not args.own_lm_heads,
+                                  seed=cfg.seed, base_name=args.model), None
     conversations = list(sharegpt_conversations(args.sharegpt)) + args.distill_repeat * list(
         generated_conversations(args.self_distill))
     random.Random(cfg.seed).shuffle(conversations)
@@ -98,12 +105,6 @@ def main(argv=None) -> int:
         cache = TeacherCache.build(args.cache or out / "teacher-cache", args.model, loaded.model, training, pad_id,
                                    vocab, cfg.teacher_top_k, cfg.bf16)
         print(f"teacher cache: {json.dumps(cache.stats)}", file=sys.stderr)
-    # with --resume, train() loads the checkpoint over these
-    if args.init_heads:
-        heads, start = load_heads(args.init_heads, loaded.model), starting_point(Path(args.init_heads))
-    else:
-        heads, start = init_heads(loaded.model, args.num_heads, args.num_layers, shared_lm_head=not args.own_lm_heads,
-                                  seed=cfg.seed, base_name=args.model), None
     heads.to(loaded.device)
     state = train(heads, loaded.model, training, cfg, out, pad_id, resume=args.resume,
                   save_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype],
