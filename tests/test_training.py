@@ -320,8 +320,8 @@ def test_train_heads_job_fine_tunes_from_init_heads_and_counts_their_tokens(tiny
                                       "--init-heads", str(tmp_path / "first")]) == 0
     base = load_model(str(tiny_model_dirs[0]), dtype="fp32", device="cpu").model
     a, b = load_heads(tmp_path / "first", base), load_heads(tmp_path / "tuned", base)
-    fresh = init_heads(base, num_heads=2, num_layers=1, seed=0)
-    moved = [n for n, p in a.state_dict().items() if not torch.equal(p, fresh.state_dict()[n])]
+    fresh = init_heads(base, num_heads=2, num_layers=1, seed=0).state_dict()
+    moved = [n for n, p in a.state_dict().items() if not torch.equal(p, fresh[n])]
     assert moved  # the first run trained its heads away from a fresh start
     for name, p in a.state_dict().items():
         torch.testing.assert_close(b.state_dict()[name], p, rtol=0, atol=1e-6, msg=name)

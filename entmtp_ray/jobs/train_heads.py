@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
-from entmtp_ray.model.heads import WEIGHTS_FILE, init_heads, load_heads, save_draft_vocab
+from entmtp_ray.model.heads import init_heads, load_heads, save_draft_vocab, weights_file
 from entmtp_ray.config import ModelConfig
 from entmtp_ray.model.loading import load_model, machine_name
 from entmtp_ray.pipeline.manifest import content_hash
@@ -138,10 +138,9 @@ def main(argv=None) -> int:
 def starting_point(directory: Path) -> dict:
     """What --init-heads started from, for the model card: the folder, its weights' sha256, and the tokens its
     own model card says it was trained on (0 when it has none, e.g. a published checkpoint)."""
-    weights = next((directory / name for name in (WEIGHTS_FILE, "hydra_lm_head.pt") if (directory / name).is_file()))
     card_file = directory / "model_card.json"
     card = json.loads(card_file.read_text()) if card_file.is_file() else {}
-    return {"path": str(directory), "weights_sha256": content_hash(weights),
+    return {"path": str(directory), "weights_sha256": content_hash(weights_file(directory)),
             "target_tokens_seen_in_total": card.get("target_tokens_seen_in_total", card.get("target_tokens_seen", 0))}
 
 

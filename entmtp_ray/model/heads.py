@@ -26,6 +26,7 @@ from entmtp_ray.model.kernels import LayerPlan, Projection, linear, projection
 
 CONFIG_FILE = "heads_config.json"
 WEIGHTS_FILE = "heads.safetensors"
+HYDRA_WEIGHTS_FILE = "hydra_lm_head.pt"  # a published Hydra checkpoint's weights, beside its config.json
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 FORMAT_VERSION = 1
 
@@ -197,17 +198,27 @@ def load_heads(directory: str | Path, base_model) -> HydraHeads:
     """Our format (heads_config.json + heads.safetensors) or the published Hydra one (config.json +
     hydra_lm_head.pt), detected from the files present."""
     directory = Path(directory)
-    if (directory / CONFIG_FILE).is_file():
-        config = HeadsConfig.model_validate_json((directory / CONFIG_FILE).read_text())
-        if config.format_version != FORMAT_VERSION:
-            raise ValueError(f"heads {directory}: format_version {config.format_version} is not "
-                             f"{FORMAT_VERSION}; retrain or convert the heads")
-        _check_dims(config, base_model, directory)
-        heads = HydraHeads(config, base_model.config)
-        heads.load_state_dict(load_file(str(directory / WEIGHTS_FILE)))
-        return heads
-    if (directory / "hydra_lm_head.pt").is_file():
+    weights = weights_file(directory)
+    if weights.name == HYDRA_WEIGHTS_FILE:
         return load_hydra_checkpoint(directory, base_model)
+    config = HeadsConfig.model_validate_json((directory / CONFIG_FILE).read_text())
+    if config.format_version != FORMAT_VERSION:
+        raise ValueError(f"heads {directory}: format_version {config.format_version} is not "
+                         f"{FORMAT_VERSION}; retrain or convert the heads")
+    _check_dims(config, base_model, directory)
+    heads = HydraHeads(config, base_model.config)
+    heads.load_state_dict(load_file(str(weights)))
+    return heads
+
+
+def weights_file(directory: str | Path) -> Path:
+    """The file holding a heads folder's weights, in the format its files say: ours (heads_config.json +
+    heads.safetensors) first, else a published Hydra checkpoint's hydra_lm_head.pt."""
+    directory = Path(directory)
+    if (directory / CONFIG_FILE).is_file():
+        return directory / WEIGHTS_FILE
+    if (directory / HYDRA_WEIGHTS_FILE).is_file():
+        return directory / HYDRA_WEIGHTS_FILE
     raise _no_heads(directory)
 
 
@@ -265,7 +276,7 @@ def load_hydra_checkpoint(directory: str | Path, base_model) -> HydraHeads:
     if config.hidden_state_offset != 0:
         raise ValueError(f"heads {directory}: hidden_state_offset {config.hidden_state_offset} is not supported "
                          "(only 0, as in the published Hydra++ heads)")
-    source = torch.load(directory / "hydra_lm_head.pt", map_location="cpu", weights_only=True)
+    source = torch.load(directory / HYDRA_WEIGHTS_FILE, map_location="cpu", weights_only=True)
     heads = HydraHeads(config, cfg)
     expected = heads.state_dict()
     state = _map_hydra_state(source, config, expected, directory)
