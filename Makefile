@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast mutation docs setup clean
+.PHONY: demo test test-fast mutation docs setup clean gpu-wheels
 
 setup: $(STAMP)
 
@@ -42,6 +42,17 @@ mutation: $(STAMP)
 # README.md's Flags section, regenerated from entmtp_ray/config.py (tests/test_cli.py checks it)
 docs: $(STAMP)
 	$(PY) -m entmtp_ray flags --readme README.md
+
+# the wheels jobs/gpu_check.py installs on a GPU machine without the package index (Python 3.12, x86-64): what that
+# machine lacks of ours, pydantic and its own needs, at the versions `make setup` installs here. Carry .whl/ there
+GPU_WHEELS := pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 \
+	typing_extensions==4.16.0
+GPU_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV)
