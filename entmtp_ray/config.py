@@ -196,8 +196,9 @@ class CalibrationConfig(BaseModel):
                                      "rollouts; a greedy job writes them as its rows for those prompts)")
     calibration_budget: int = Field(64, ge=2, description="node budget of the trees the auto bank grows")
     bank_cache: str | None = Field(None, description="folder (path or URI) of auto banks, keyed by model, heads, "
-                                   "data, hardware, dtype, threads and draft vocabulary. Absent: <output>/_banks and "
-                                   "the user's cache (~/.cache/entmtp_ray/banks, or $ENTMTP_CACHE/banks)")
+                                   "data, hardware (a CPU's threads and model; a GPU's name and torch/CUDA "
+                                   "versions), dtype and draft vocabulary. Absent: <output>/_banks and the user's "
+                                   "cache (~/.cache/entmtp_ray/banks, or $ENTMTP_CACHE/banks)")
 
 
 class ProcessorConfig(BaseModel):

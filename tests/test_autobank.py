@@ -52,6 +52,52 @@ def test_the_key_changes_with_everything_a_bank_depends_on(tiny_model_dirs):
     assert one[0] == "prompts" and one != data_identity(None, [("a.jsonl", 11)], "s3://b/prompts/")
 
 
+def test_a_cpu_banks_key_is_the_one_it_had_before_the_gpu_backend(monkeypatch):
+    import entmtp_ray.pipeline.autobank as autobank
+
+    monkeypatch.setattr(autobank, "heads_identity", lambda model: (None, "h" * 64))
+    monkeypatch.setattr(autobank, "draft_vocab_for", lambda *args: None)
+    model, calibration = ModelConfig(model="m", heads="x"), CalibrationConfig()
+    key = bank_key(model, "task:gsm8k", HW, calibration)
+    # the keys (and their folders) of the release before `backend`: banks cached with it are still found
+    assert key == {"version": 1, "model": "m", "chat_format": "auto", "heads": "h" * 64, "data": "task:gsm8k",
+                   "hardware": {"device": "cpu", "threads": 2, "dtype": "bfloat16", "machine": "Some CPU"},
+                   "draft_vocab": 0, "prompts": 64, "budget": 64}
+    assert key_name(key, "gsm8k") == "m-gsm8k-d4c66f429d389982"
+    settings = bank_key(model, "task:gsm8k", HW.model_copy(update={"concurrency": 4, "quantize": "int8"}), calibration)
+    assert settings["hardware"] == {"device": "cpu", "threads": 2, "dtype": "bfloat16", "machine": "Some CPU",
+                                    "concurrency": 4, "quantize": "int8"}
+    assert key_name(settings, "gsm8k") == "m-gsm8k-73573b1024462c8b"
+
+
+def test_a_gpu_banks_key_names_the_gpu_and_backend_not_the_host_cpu(tiny_model_dirs):
+    model, calibration = tiny(tiny_model_dirs), CalibrationConfig()
+    gpu = Hardware(device="NVIDIA H100 80GB HBM3", threads=8, dtype="bfloat16", machine="AMD EPYC 7R13",
+                   backend="torch 2.5.1, CUDA 12.4")
+    key = bank_key(model, "task:gsm8k", gpu, calibration)
+    assert key["hardware"] == {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
+                               "backend": "torch 2.5.1, CUDA 12.4", "concurrency": 1, "quantize": "none"}
+    other_host = gpu.model_copy(update={"machine": "Intel(R) Xeon(R) Platinum 8480C", "threads": 2})
+    assert bank_key(model, "task:gsm8k", other_host, calibration) == key  # the same bank: no recalibration
+    for change in ({"device": "NVIDIA A100-SXM4-80GB"}, {"backend": "torch 2.4.0, CUDA 12.1"}, {"dtype": "float16"},
+                   {"concurrency": 4}, {"quantize": "int8"}):
+        assert bank_key(model, "task:gsm8k", gpu.model_copy(update=change), calibration) != key, change
+
+
+def test_the_probed_cpu_hardware_records_no_backend():
+    import torch
+
+    from entmtp_ray.pipeline.autobank import probe_hardware
+
+    threads = torch.get_num_threads()
+    try:
+        probed = probe_hardware({"device": "cpu", "dtype": "fp32"}, threads=1)
+    finally:
+        torch.set_num_threads(threads)  # as it was, for the tests after this one
+    assert (probed.device, probed.threads, probed.dtype, probed.backend) == ("cpu", 1, "float32", "")
+    assert "backend" not in bank_key(ModelConfig(draft_vocab=0), "task:gsm8k", probed, CalibrationConfig())["hardware"]
+
+
 def test_cache_roots_and_a_cached_bank_is_found_and_copied_beside_the_output(tmp_path, monkeypatch):
     monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path / "user"))
     roots = cache_roots(CalibrationConfig(), str(tmp_path / "out"))

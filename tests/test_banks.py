@@ -59,6 +59,50 @@ def test_model_or_hardware_mismatch_warns_to_rebuild(tmp_path, caplog):
     assert "measured on cpu (2 threads, float32)" in text
 
 
+GPU = Hardware(device="NVIDIA H100 80GB HBM3", threads=8, dtype="bfloat16", machine="AMD EPYC 7R13",
+               backend="torch 2.5.1, CUDA 12.4")
+
+
+def test_a_gpu_bank_is_the_same_hardware_on_another_host_cpu_but_not_another_gpu_or_backend():
+    other_host = GPU.model_copy(update={"machine": "Intel(R) Xeon(R) Platinum 8480C", "threads": 2})
+    assert GPU.same_as(other_host) and other_host.same_as(GPU)  # a GPU step does not depend on the host CPU
+    for change in ({"device": "NVIDIA A100-SXM4-80GB"}, {"backend": "torch 2.4.0, CUDA 12.1"}, {"backend": ""},
+                   {"dtype": "float16"}, {"concurrency": 4}, {"quantize": "int8"}):
+        assert not GPU.same_as(GPU.model_copy(update=change)), change
+    cpu = Hardware(device="cpu", threads=2, dtype="bfloat16", machine="x86_64")
+    assert not cpu.same_as(cpu.model_copy(update={"threads": 4})) and not cpu.same_as(GPU) and not GPU.same_as(cpu)
+    assert cpu.same_as(cpu.model_copy(update={"machine": "other"}))  # as before: the threads, not the CPU model
+    assert GPU.describe() == "NVIDIA H100 80GB HBM3 (bfloat16, torch 2.5.1, CUDA 12.4)"
+    assert GPU.model_copy(update={"backend": "", "concurrency": 4}).describe() == (
+        "NVIDIA H100 80GB HBM3 (bfloat16, backend not recorded, 4 concurrent requests)")
+    assert cpu.describe() == "cpu (2 threads, bfloat16)"
+
+
+def test_a_bank_file_without_a_backend_still_loads(tmp_path):
+    path = tmp_path / "b.json"
+    raw = json.loads(make_bank().model_dump_json())
+    del raw["hardware"]["backend"]  # written before the field existed, as the shipped banks were
+    path.write_text(json.dumps(raw))
+    assert load_bank(path).hardware.backend == ""
+    shipped = Path(__file__).resolve().parent.parent / "entmtp_ray" / "assets" / "banks"
+    for file in shipped.rglob("*.json"):
+        assert load_bank(file).hardware.backend == "", file
+
+
+def test_current_hardware_names_the_backend_on_a_gpu_only(monkeypatch):
+    import torch
+
+    from entmtp_ray.calibrate.bank import current_hardware
+
+    cpu = current_hardware("cpu", torch.bfloat16)
+    assert (cpu.device, cpu.backend, cpu.dtype) == ("cpu", "", "bfloat16")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    gpu = current_hardware("cuda", torch.float16, concurrency=2)
+    assert (gpu.device, gpu.dtype, gpu.concurrency) == ("NVIDIA H200", "float16", 2)
+    assert gpu.backend == f"torch {torch.__version__}, CUDA 12.4"
+
+
 def test_policy_must_use_trees_of_the_bank():
     ok = SignalParams(ladder_trees=["n1"], conservative="n1", aggressive="n3", tau_on=0.1, tau_off=0.2)
     with pytest.raises(ValidationError, match="policy uses tree 'n9'"):

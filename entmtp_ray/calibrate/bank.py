@@ -45,14 +45,31 @@ class Hardware(BaseModel):
                              "times were measured at: a tree's cost per request depends on how many share a forward")
     quantize: str = Field("none", description="the base model's weight quantization (--quantize) the step times "
                           "were measured with: it changes what a step of each tree size costs")
+    backend: str = Field("", description="on a GPU, the torch and CUDA (or ROCm) versions the step times were "
+                         "measured with: their kernels set what a step costs; empty on a CPU, and in older files")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device != "cpu"
+
+    @property
+    def step_cost(self) -> tuple[str, ...]:
+        """The fields that set what a decoding step costs here, which a bank's trees were sized for: a GPU step
+        depends on the GPU, dtype, backend, concurrency and quantization, not on the host CPU or its threads; a
+        CPU step on its threads instead of a backend."""
+        if self.on_gpu:
+            return "device", "dtype", "backend", "concurrency", "quantize"
+        return "device", "threads", "dtype", "concurrency", "quantize"
 
     def same_as(self, other: Hardware) -> bool:
-        return ((self.device, self.threads, self.dtype, self.concurrency, self.quantize)
-                == (other.device, other.threads, other.dtype, other.concurrency, other.quantize))
+        return self.step_cost == other.step_cost and all(getattr(self, name) == getattr(other, name)
+                                                         for name in self.step_cost)
 
     def describe(self) -> str:
         extra = ([f"{self.concurrency} concurrent requests"] if self.concurrency > 1 else []) + (
             [f"{self.quantize} weights"] if self.quantize != "none" else [])
+        if self.on_gpu:
+            return f"{self.device} ({', '.join([self.dtype, self.backend or 'backend not recorded', *extra])})"
         return f"{self.device} ({', '.join([f'{self.threads} threads', self.dtype, *extra])})"
 
 
@@ -148,10 +165,18 @@ def resolve_bank_path(model_name: str, task: str | None, bank: str | None) -> Pa
 
 def current_hardware(device: torch.device | str, dtype: torch.dtype | str, concurrency: int = 1,
                      quantize: str = "none") -> Hardware:
+    """The hardware a bank measured here would record (Hardware.step_cost: what its step times depend on)."""
     device = torch.device(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return Hardware(device=name, threads=torch.get_num_threads(), dtype=str(dtype).replace("torch.", ""),
-                    machine=machine_name(), concurrency=concurrency, quantize=quantize)
+    on_gpu = device.type == "cuda"
+    return Hardware(device=torch.cuda.get_device_name(device) if on_gpu else "cpu", threads=torch.get_num_threads(),
+                    dtype=str(dtype).replace("torch.", ""), machine=machine_name(), concurrency=concurrency,
+                    quantize=quantize, backend=gpu_backend() if on_gpu else "")
+
+
+def gpu_backend() -> str:
+    """The torch build a GPU step runs on: 'torch 2.5.1, CUDA 12.4' (ROCm builds name their HIP version)."""
+    toolkit = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
+    return f"torch {torch.__version__}, {toolkit}"
 
 
 def save_bank(bank: Bank, path: str | Path) -> None:

@@ -153,7 +153,7 @@ class Processor:
             return
         on_gpu = self.placement.device.startswith("cuda")
         concurrency, quantize = self.config.pool.concurrent_requests, self.config.model.quantize
-        if (on_gpu == (bank.hardware.device != "cpu") and bank.hardware.concurrency == concurrency
+        if (on_gpu == bank.hardware.on_gpu and bank.hardware.concurrency == concurrency
                 and bank.hardware.quantize == quantize):
             return
         log.warning("the shipped bank %s was measured on %s, and the actors run on %s with %d concurrent requests "
@@ -205,9 +205,7 @@ class Processor:
         label, fingerprint = data or data_identity(self.plan.requested.task)
         key = bank_key(self.config.model, fingerprint, hardware, calibration)
         name = key_name(key, label)
-        report = {"status": "cached", "key": name, "hardware": f"{hardware.device} x{hardware.threads} "
-                  f"{hardware.dtype}" + (f" K{concurrency}" if concurrency > 1 else ""), "prompts": 0,
-                  "rows_reused": 0}
+        report = {"status": "cached", "key": name, "hardware": hardware.describe(), "prompts": 0, "rows_reused": 0}
         found = find_cached(roots, name)
         if found:
             return self._calibrated(AutoBank(found[0], found[1], report), started)
