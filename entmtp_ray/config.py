@@ -199,6 +199,11 @@ class CalibrationConfig(BaseModel):
                                    "data, hardware (a CPU's threads and model; a GPU's name and torch/CUDA "
                                    "versions), dtype and draft vocabulary. Absent: <output>/_banks and the user's "
                                    "cache (~/.cache/entmtp_ray/banks, or $ENTMTP_CACHE/banks)")
+    allow_bank_fallback: bool = Field(False, description="a calibration that fails leaves the job on the fallback "
+                                      "(the shipped bank, or Hydra's tree) and every row is still written; off, "
+                                      "the summary says ok: false and the job exits 3 so that the slower run is "
+                                      "noticed; on, it only warns and exits 0, for a pipeline that must never "
+                                      "stop on a bank")
 
 
 class ProcessorConfig(BaseModel):

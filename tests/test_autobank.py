@@ -1,7 +1,8 @@
 """`--bank auto` (pipeline/autobank.py): the cache key and roots, the calibration on a worker (rollouts, bank,
 resume from its stages), the fallback, and the job on real local Ray: a greedy job writes the calibration's
 rollouts as its rows exactly once and decodes the rest with the calibrated bank, equal to AR; a second job with
-the same key reuses the bank; a calibration that fails falls back and still writes every row."""
+the same key reuses the bank; a calibration that fails falls back and still writes every row, then exits 3
+unless --allow-bank-fallback accepts the fallback."""
 
 from __future__ import annotations
 
@@ -268,19 +269,40 @@ def test_a_greedy_job_calibrates_writes_its_rollouts_once_and_decodes_the_rest_a
 
 
 @pytest.mark.slow
-def test_a_failed_calibration_falls_back_and_still_writes_every_row(tiny_model_dirs, tmp_path):
+def test_a_failed_calibration_falls_back_writes_every_row_and_exits_3_unless_accepted(tiny_model_dirs, tmp_path):
     data = write_prompts(tmp_path / "prompts.jsonl", 3)
+    # every prompt is longer than --max-input-tokens: no calibration rollout decodes, so no bank can be built
     extra = ["--bank", "auto", "--calibration-prompts", "2", "--max-input-tokens", "3",
              "--bank-cache", str(tmp_path / "cache")]
     proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     calibration = summary["calibration"]
     assert calibration["status"] == "failed" and "none of the 2 calibration prompts decoded" in calibration["error"]
     assert calibration["fallback"] == "hydra" and summary["policy"] == "hydra"
+    assert calibration["fallback_accepted"] is False and summary["ok"] is False
+    error = proc.stderr.strip().splitlines()[-1]  # one line: the error, what ran instead, the fixes
+    assert error.startswith("error: --bank auto: the calibration failed (ValueError: none of the 2 calibration")
+    assert "with hydra instead of a calibrated bank" in error
+    assert all(fix in error for fix in ("--resume", "--bank FILE", "--allow-bank-fallback"))
     rows = read_output(tmp_path / "out")
     assert sorted(r["id"] for r in rows) == ["q0", "q1", "q2"] and all("max-input-tokens" in r["error"] for r in rows)
     assert not list((tmp_path / "cache").rglob("bank.json"))
+
+    # run again with --resume: no row is left to decode, so nothing is calibrated and nothing failed
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra, "--resume"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert again["calibration"]["status"] == "skipped" and again["ok"] is True and again["rows"] == 3
+
+    # the fallback accepted: the same failure in the summary, a warning, exit 0
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "accepted", *extra, "--allow-bank-fallback"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accepted = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert accepted["calibration"]["status"] == "failed" and accepted["calibration"]["fallback_accepted"] is True
+    assert accepted["ok"] is True and "calibration failed" in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert sorted(r["id"] for r in read_output(tmp_path / "accepted")) == ["q0", "q1", "q2"]
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@
 A thin CLI over entmtp_ray.build_processor (pipeline/processor.py) and the job's data plane
 (pipeline/dataplane.py). Config errors exit with status 2 before Ray starts; what only the cluster can tell
 (an --output on one node's disk of a multi-node cluster, no usable GPU where the actors run) exits 2 after
-joining it, before any row is generated or anything is written. The last stdout line is a JSON summary.
+joining it, before any row is generated or anything is written. A `--bank auto` calibration that fails
+still has every row decoded (with its fallback) and written, then exits with status 3 and a line on stderr
+saying why, unless --allow-bank-fallback accepts the fallback. The last stdout line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from entmtp_ray.config import (CalibrationConfig, DecodingConfig, InputConfig, J
 from entmtp_ray.pipeline.dataplane import connect, run_job, shutdown
 from entmtp_ray.pipeline.manifest import check_or_write, run_settings
 from entmtp_ray.pipeline.outputs import check_output
-from entmtp_ray.pipeline.processor import build_processor
+from entmtp_ray.pipeline.processor import build_processor, calibration_problem
 from entmtp_ray.pipeline.sources import Location
 from entmtp_ray.pipeline.tasks import open_prompts, prompt_spec
 
 CONFIGS = (InputConfig, JobConfig, PoolConfig, ModelConfig, DecodingConfig, CalibrationConfig)
+CONFIG_ERROR, CALIBRATION_FAILED = 2, 3  # exit statuses
 
 
 def main(argv=None) -> int:
@@ -56,11 +59,15 @@ def main(argv=None) -> int:
     except (ValueError, ValidationError, FileNotFoundError, ConnectionError) as exc:  # ConnectionError: --address
         print(f"error: {exc}", file=sys.stderr)
         shutdown()  # a local Ray the job started goes with it
-        return 2
+        return CONFIG_ERROR
     summary = run_job(spec, job, processor, source.limit, decoding.seed, started, files)
     summary.update(policy=processor.config.decoding.policy, bank=processor.plan.bank_label)  # what ran
     shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
     print(json.dumps(summary), flush=True)
+    problem = calibration_problem(summary.get("calibration"))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return CALIBRATION_FAILED
     return 0
 
 

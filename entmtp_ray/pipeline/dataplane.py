@@ -37,7 +37,7 @@ from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.outputs import finished_keys, summarize
 from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_mounts, spans_nodes
 from entmtp_ray.pipeline.autobank import data_identity
-from entmtp_ray.pipeline.processor import Processor, calibration_rows
+from entmtp_ray.pipeline.processor import Processor, calibration_problem, calibration_rows
 from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, output_keys
 from entmtp_ray.pipeline.sources import Location, Source, file_format, file_label, read_file
 from entmtp_ray.pipeline.tasks import PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize
@@ -300,7 +300,8 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     """Generate for every prompt row (a spec's, streamed; or a small table's) not yet in job.output, write
     them there, and return the run's summary. `started` (unix seconds) is when the job began, for the wall
     time and the time to first row. An auto bank is calibrated first (Processor.calibrate); a greedy job's
-    calibration rollouts are written as its rows for those prompts, and the pool decodes the rest."""
+    calibration rollouts are written as its rows for those prompts, and the pool decodes the rest. The summary's
+    `ok` is false when the calibration failed and its fallback was not accepted (--allow-bank-fallback)."""
     start = started or time.time()
     location = Location.of(job.output)
     connect(job, processor, location)
@@ -330,4 +331,5 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     summary = ray.get(summarize_task.options(**_on_this_node()).remote(location, start, input_rows, expected))
     if calibration is not None:
         summary["calibration"] = calibration
+    summary["ok"] = calibration_problem(calibration) is None
     return summary

@@ -188,8 +188,10 @@ class Processor:
         --calibration-prompts eligible rows of `samples` (expanded rows: no input error, sample 0, no row
         sampling_params) by a Ray task with an actor's CPUs and GPUs (pipeline/autobank.py). `output`: the job's
         output, whose `_banks` folder caches it first; `data`: (label, fingerprint) of the job's input (default:
-        the task, else the sampled prompts). A failed calibration leaves the fallback in place, with a warning.
-        Returns the bank, the rollouts a greedy job writes as its rows (with their sample rows), and the report."""
+        the task, else the sampled prompts). A failed calibration leaves the fallback in place, with a warning, and
+        says so in the report (`calibration_problem`); with no row left to decode (--resume) there is nothing to
+        calibrate for. Returns the bank, the rollouts a greedy job writes as its rows (with their sample rows),
+        and the report."""
         started = time.time()
         calibration, pool, placement = self.config.calibration, self.config.pool, self.place()
         model = self.config.model.model_dump() | {"device": placement.device}
@@ -198,10 +200,10 @@ class Processor:
         concurrency = pool.concurrent_requests
         hardware = ray.get(ray.remote(probe_hardware).options(**resources).remote(model, threads, concurrency))
         roots = cache_roots(calibration, output)
-        sample = rows = None
+        taken = None
         if data is None and not self.plan.requested.task:
-            sample, rows = calibration_sample(samples, calibration.calibration_prompts)
-            data = data_identity(None, prompts=rows)
+            taken = calibration_sample(samples, calibration.calibration_prompts)
+            data = data_identity(None, prompts=taken[1])
         label, fingerprint = data or data_identity(self.plan.requested.task)
         key = bank_key(self.config.model, fingerprint, hardware, calibration)
         name = key_name(key, label)
@@ -209,10 +211,13 @@ class Processor:
         found = find_cached(roots, name)
         if found:
             return self._calibrated(AutoBank(found[0], found[1], report), started)
-        if sample is None:
-            sample, rows = calibration_sample(samples, calibration.calibration_prompts)
-        if not rows:  # every row already written (--resume), or none that decodes as the job does
-            report.update(status="failed", error="no prompt of the job to calibrate on")
+        sample, rows, read = taken or calibration_sample(samples, calibration.calibration_prompts)
+        if not read:  # every row already written (--resume): none decodes, with a bank or without
+            report.update(status="skipped", reason="no row of the job is left to decode")
+            return self._calibrated(AutoBank(None, None, report), started)
+        if not rows:
+            report.update(status="failed", error=f"none of the job's first {read} rows decodes as the job does "
+                          "(each has an input error, or sampling_params of its own), so none can be calibrated on")
             return self._calibrated(AutoBank(None, None, report), started)
         report.update(status="built", prompts=len(rows))
         work = roots[0].sub(name).sub("work")
@@ -236,7 +241,8 @@ class Processor:
         return self._calibrated(auto, started)
 
     def _calibrated(self, auto: AutoBank, started: float) -> AutoBank:
-        """Re-plan with the calibrated bank (or keep the fallback, with a warning) and finish the report."""
+        """Re-plan with the calibrated bank (or keep the fallback, with a warning when it failed) and finish the
+        report."""
         report = auto.report
         if auto.bank is not None:
             self.plan = plan(self.config.model, self.plan.requested, auto.bank, auto.label)
@@ -247,9 +253,10 @@ class Processor:
             report.update(bank=auto.label, star=policy.star, trees={t.name: t.nodes for t in auto.bank.trees},
                           # None: no signal's switching gained enough over the star, and entmtp-tau runs the star
                           signal=policy.signal if switching.conservative != switching.aggressive else None)
-        else:
+        elif report["status"] == "failed":
             running = self.plan.decoding
-            report["fallback"] = running.bank or running.policy
+            report.update(fallback=running.bank or running.policy,
+                          fallback_accepted=self.config.calibration.allow_bank_fallback)
             log.warning(fallback_warning(self.config.model, running, f"calibration failed ({report['error']})"))
         report["seconds"] = round(time.time() - started, 1)
         return auto
@@ -288,17 +295,34 @@ def actor_pool(pool: PoolConfig) -> ActorPoolStrategy:
                              max_concurrent_calls_per_actor=k, enable_true_multi_threading=True)
 
 
-def calibration_sample(samples: "ray.data.Dataset", count: int) -> tuple[pa.Table, list[dict]]:
+def calibration_sample(samples: "ray.data.Dataset", count: int) -> tuple[pa.Table | None, list[dict], int]:
     """The first `count` rows of `samples` (expanded rows) that a calibration may decode as the job would: no input
     error, the first sample of its prompt, no sampling_params of its own; as a table, and as the {id, prompt,
-    messages} the calibration task takes. Reads only the first blocks."""
-    rows = samples.take_batch(4 * count, batch_format="pyarrow")  # a few more, for the rows that do not qualify
+    messages} the calibration task takes; and how many rows were read for them (0, and no table: `samples` has no
+    row). Reads only the first blocks."""
+    first = samples.limit(4 * count).iter_batches(batch_size=4 * count, batch_format="pyarrow", prefetch_batches=0)
+    rows = next(iter(first), None)  # a few more than `count`, for the rows that do not qualify
+    if rows is None:
+        return None, [], 0
     keep = [i for i, (error, index, own) in enumerate(zip(*(rows.column(c).to_pylist() for c in
             ("_input_error", SAMPLE_INDEX, SAMPLING)))) if not error and index == 0 and not own][:count]
     sample = rows.take(pa.array(keep, pa.int64()))
     prompts = [{"id": r["id"], "prompt": r["prompt"], "messages": r["_messages"]}
                for r in sample.select(["id", "prompt", "_messages"]).to_pylist()]
-    return sample, prompts
+    return sample, prompts, rows.num_rows
+
+
+def calibration_problem(report: dict | None) -> str | None:
+    """A calibration report's failure that the user did not accept (--allow-bank-fallback), as one line: the error,
+    what decoded the rows instead, and the fixes; None when the job has nothing to report."""
+    if not report or report["status"] != "failed" or report["fallback_accepted"]:
+        return None
+    error = [line.strip() for line in report["error"].splitlines() if line.strip()]  # a task's traceback: its end
+    why = error[-1][:500] if error else "no error recorded"
+    return (f"--bank auto: the calibration failed ({why}); every row was still decoded and written, with "
+            f"{report['fallback']} instead of a calibrated bank, which may be slower. Fix the cause and run again "
+            "(--resume decodes only the rows not yet written), pass --bank FILE, or pass --allow-bank-fallback to "
+            "accept the fallback")
 
 
 def calibration_rows(auto: AutoBank) -> pa.Table | None:
