@@ -5,6 +5,8 @@ gives: exactly on the tiny fp32 model, up to the float-tie rule on the real Smol
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,8 +21,9 @@ from entmtp_ray.decode.batch import BatchDecoder, Job
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import load_topology, make_topology
-from entmtp_ray.model.kernels import prepare, quantize_model
-from entmtp_ray.model.loading import LoadedModel
+from entmtp_ray.config import EMBEDDED_MODEL
+from entmtp_ray.model.kernels import LayerShapes, prepare, quantization_problem, quantize_model
+from entmtp_ray.model.loading import EMBEDDED_SHAPES, LoadedModel, check_quantization, load_model, resolve_model_path
 from entmtp_ray.model.quant import INT4_GROUP, quantize, quantize_int4
 from entmtp_ray.pipeline.assemble import load_stack, plan
 from test_decode_oracle import BRANCHY_PATHS, MAX_NEW, PROMPT, rotating, tree_of
@@ -155,6 +158,94 @@ def test_an_unknown_scheme_fails_before_loading():
         ModelConfig(quantize="int3")
 
 
+# --- shapes a kernel cannot take, refused from the config before any weight loads ---
+
+VICUNA_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32}  # its config.json's sizes
+
+
+def model_dir(tmp_path, **sizes) -> str:
+    """A model directory holding only a config.json: all a config check reads."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **sizes}))
+    return str(tmp_path)
+
+
+def test_the_shapes_listed_are_the_weights_quantize_model_builds():
+    model = make_tiny_llama()  # 4 query heads, 2 kv heads: the fused q/k/v is not square
+    layer = prepare(model).layers[0]
+    built = {name: tuple(getattr(layer, name).weight.shape) for name in ("qkv", "gate_up", "o", "down")}
+    assert LayerShapes.of_config(model.config.to_dict()).projections() == built
+    # a config without kv heads or head_dim (Vicuna's) takes transformers' defaults
+    assert LayerShapes.of_config(VICUNA_7B) == LayerShapes(4096, 11008, 32, 32, 128)
+
+
+def test_the_embedded_models_shapes_are_its_converted_configs():
+    config = json.loads((Path(resolve_model_path(EMBEDDED_MODEL)) / "config.json").read_text())
+    assert LayerShapes.of_config(config) == EMBEDDED_SHAPES
+
+
+def test_int4_on_cuda_refuses_the_embedded_model_at_plan_time():
+    assert "does not tile for CUDA's int4 kernel" in quantization_problem(EMBEDDED_SHAPES, "int4", "cuda",
+                                                                          torch.bfloat16)
+    with pytest.raises(ValueError, match=r"the qkv weight \[960, 576\].*does not tile.*or run --quantize none"):
+        plan(ModelConfig(quantize="int4", device="cuda"), DecodingConfig(policy="ar"))
+    with pytest.raises(ValueError, match="bf16 activations only: run --dtype bf16"):
+        check_quantization(EMBEDDED_MODEL, "int4", "cuda:0", "fp16")
+
+
+def test_int8_on_cuda_is_refused_with_the_kernels_reason_and_the_fixes():
+    with pytest.raises(ValueError, match=r"_weight_int8pack_mm.*--quantize none.*--quantize int4 --dtype bf16.*"
+                                         r"gpu_check.py's quantized stage"):
+        plan(ModelConfig(quantize="int8", device="cuda"), DecodingConfig(policy="ar"))
+    assert "_weight_int8pack_mm" in quantization_problem(LayerShapes.of_config(VICUNA_7B), "int8", "cuda",
+                                                         torch.float16)
+    # the weights themselves still build on any device: the GPU check times int8 beside fp16 with them
+    assert quantize(torch.randn(16, 64), "int8").scheme == "int8"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_embedded_model_is_accepted_on_cpu_and_auto(scheme):
+    for device in ("cpu", "auto"):  # auto: only what no device could run is refused before placement
+        check_quantization(EMBEDDED_MODEL, scheme, device, "auto")
+        plan(ModelConfig(quantize=scheme, device=device), DecodingConfig(policy="ar"))
+
+
+def test_vicuna_7b_int4_in_bf16_on_cuda_is_accepted(tmp_path):
+    vicuna = LayerShapes.of_config(VICUNA_7B)
+    assert quantization_problem(vicuna, "int4", "cuda", torch.bfloat16) is None
+    check_quantization(model_dir(tmp_path, **VICUNA_7B), "int4", "cuda", "auto")  # auto: bf16 for int4 on CUDA
+    assert "bf16" in quantization_problem(vicuna, "int4", "cuda", torch.float16)
+
+
+def test_a_cpu_shape_the_int4_kernel_cannot_take_fails_in_plan_and_before_load_model_reads_weights(tmp_path,
+                                                                                                   monkeypatch):
+    import transformers
+
+    path = model_dir(tmp_path, hidden_size=48, intermediate_size=128, num_attention_heads=4)
+    with pytest.raises(ValueError, match=rf"int4 of --model {path} on cpu.*input size 48 is not a multiple of the "
+                                         r"int4 group \(32\)"):
+        plan(ModelConfig(model=path, quantize="int4", device="cpu"), DecodingConfig(policy="ar"))
+    with pytest.raises(ValueError, match="on cpu in .*; and --quantize int4 .* on cuda in bf16"):  # no device can
+        plan(ModelConfig(model=path, quantize="int4"), DecodingConfig(policy="ar"))
+    plan(ModelConfig(model=path, quantize="int8", device="cpu"), DecodingConfig(policy="ar"))  # int8 takes any shape
+    for loader in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(loader, "from_pretrained", lambda *a, **k: pytest.fail("read files before the check"))
+    with pytest.raises(ValueError, match="not a multiple of the int4 group"):
+        load_model(path, device="cpu", quantize="int4")
+
+
+def test_device_auto_is_checked_again_once_placement_puts_the_actors_on_a_gpu(monkeypatch):
+    from entmtp_ray.config import ProcessorConfig
+    from entmtp_ray.pipeline import processor as stage
+
+    processor = stage.Processor(ProcessorConfig(model=ModelConfig(quantize="int8"), decoding=DecodingConfig(
+        policy="ar")))  # auto: a CPU could run int8, so the config passes
+    monkeypatch.setattr(stage.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(stage.ray, "cluster_resources", lambda: {"GPU": 1.0})
+    with pytest.raises(ValueError, match="on cuda.*_weight_int8pack_mm"):
+        processor.place()
+    assert processor.placement is None
+
+
 # --- the real embedded model ---
 
 POLICIES = ["ar", "hydra", "entmtp-star", "entmtp-ladder", "entmtp-tau"]
@@ -185,7 +276,6 @@ def test_smollm2_every_policy_decodes_the_quantized_models_greedy_tokens(scheme)
 
 def test_the_quality_job_scores_the_same_text_under_every_scheme(tiny_model_dirs, tmp_path, capsys):
     """jobs/quant_quality.py on a tiny model: the unquantized model's AR text, scored by each scheme."""
-    import json
 
     from entmtp_ray.jobs import quant_quality
 

@@ -17,8 +17,8 @@ from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
 from entmtp_ray.decode.policy import POLICIES, Policy, make_policy
 from entmtp_ray.decode.tree import make_topology
-from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, draft_vocab_for,
-                                      heads_source, load_model, load_model_heads)
+from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, check_quantization,
+                                      draft_vocab_for, heads_source, load_model, load_model_heads)
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,12 @@ def fallback_warning(model_cfg: ModelConfig, decoding: DecodingConfig, why: str)
 
 def plan(model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
          bank_label: str | None = None) -> Plan:
-    """Every config check that needs no model: the model's source, policy, bank, tree files, heads directory and
-    depth (hub ids: their JSON files only). `bank`: one already in hand (an auto bank the job calibrated), used
-    instead of the file decoding.bank names. Raises ValueError/FileNotFoundError naming the fix."""
+    """Every config check that needs no model: the model's source, its --quantize scheme on --device (the weights'
+    shapes from the model's config), policy, bank, tree files, heads directory and depth (hub ids: their JSON files
+    only). `bank`: one already in hand (an auto bank the job calibrated), used instead of the file decoding.bank
+    names. Raises ValueError/FileNotFoundError naming the fix."""
     check_model_source(model_cfg.model)
+    check_quantization(model_cfg.model, model_cfg.quantize, model_cfg.device, model_cfg.dtype)
     requested = resolve_policy(model_cfg, decoding)
     auto = requested.bank == AUTO_BANK and bank is None
     if requested.bank == AUTO_BANK and requested.policy not in BANK_POLICIES:

@@ -27,7 +27,7 @@ from ray.data import ActorPoolStrategy, DataContext
 
 from entmtp_ray.calibrate.bank import Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig, ProcessorConfig
-from entmtp_ray.model.loading import cuda_problem
+from entmtp_ray.model.loading import check_quantization, cuda_problem
 from entmtp_ray.pipeline.assemble import AUTO, AUTO_BANK, fallback_warning, plan
 from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
                                           data_identity, find_cached, key_name, probe_hardware, store)
@@ -140,7 +140,10 @@ class Processor:
             if not ray.is_initialized():
                 ray.init()  # as Ray Data itself would, when the dataset first runs
             gpus = ray.cluster_resources().get("GPU", 0.0)
-            self.placement = place_actors(self.config.model.device, self.config.pool.gpus_per_actor, gpus)
+            placement = place_actors(self.config.model.device, self.config.pool.gpus_per_actor, gpus)
+            model = self.config.model  # --quantize on the device the actors load on, known only now
+            check_quantization(model.model, model.quantize, placement.device, model.dtype)
+            self.placement = placement
             self._calibrate_for_this_device()
         return self.placement
 
