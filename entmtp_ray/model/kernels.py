@@ -42,7 +42,11 @@ def matmul_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _onednn_packing() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether oneDNN can pack bf16 weights here: it needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, which an AVX2-only
+    CPU (some AMD EPYC hosts) lacks; there bf16 products take the unpacked path instead of failing to pack."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and (not hasattr(mkldnn, "_is_mkldnn_bf16_supported") or bool(mkldnn._is_mkldnn_bf16_supported())))
 
 
 @dataclass(frozen=True)
