@@ -10,6 +10,7 @@ whose `seconds` holds each phase's wall time when the caller asks for a profile.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -25,9 +26,11 @@ from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan, Projection, prepare
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import VERIFIER_STATS, Policy, Signal, make_signal
-from entmtp_ray.decode.static import STATIC_CAPACITY, StaticKVCache, TreeVerifier
+from entmtp_ray.decode.static import CAPACITY_GRAIN, STATIC_CAPACITY, StaticKVCache, TreeVerifier
 from entmtp_ray.decode.stop import StopStrings
 from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_topology, load_topology
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -315,14 +318,16 @@ class SpecDecoder:
     """Holds a model, its drafter and every tree a policy may pick (buffers built once)."""
 
     def __init__(self, loaded: LoadedModel, drafter: Drafter | None, policy: Policy, leaf_logits: bool | None = None,
-                 static: bool | None = None, graphs: bool | None = None):
+                 static: bool | None = None, graphs: bool | None = None, capacity: int | None = None):
         """Each option defaults to on for CUDA and off elsewhere (docs/design.md §8):
 
         `leaf_logits`: the verify forward projects every node, not just the scored ones, so a greedy step reads
         back once (build_buffers); on CUDA a read-back waits for the queued kernels and the extra rows of the
         vocabulary projection cost next to nothing; on CPU they cost more than a read-back saves.
-        `static`: verify on static shapes, over a cache allocated once at the model's context (decode/static.py);
-        `graphs`: capture each tree's static verify as a CUDA graph here, once, and replay it every step.
+        `static`: verify on static shapes, over a cache allocated once (decode/static.py) of `capacity` positions
+        (the job's need, `static.static_capacity`; None: the model's context, up to STATIC_CAPACITY), grown when a
+        request needs more; `graphs`: capture each tree's static verify as a CUDA graph here, once, and replay it
+        every step.
         """
         self.loaded = loaded
         cuda = loaded.device.type == "cuda"
@@ -331,23 +336,46 @@ class SpecDecoder:
         graphs = (cuda if graphs is None else graphs) and static
         self.drafter = drafter or NoDrafter(loaded.device)
         self.policy = policy
-        self.buffers: dict[Topology, TreeBuffers] = {}
-        for topology in policy.trees():
-            if topology.depth > 0 and isinstance(self.drafter, NoDrafter):
-                raise ValueError(f"policy '{policy.name}' drafts with tree '{topology.name}' but no heads were "
-                                 "loaded; pass --heads DIR")
-            checked = load_topology(topology, max_depth=self.drafter.max_depth)  # no deeper than the heads
-            self.buffers[topology] = build_buffers(checked, loaded.device, leaf_logits)
+        self.leaf_logits = leaf_logits
+        self.buffers = self._tree_buffers(policy, {})
         self.ar = build_buffers(chain_topology(0), loaded.device, leaf_logits)
         self.max_nodes = max(b.num_nodes for b in self.buffers.values())
         self.cache: KVCache | None = None
         self.verifier: TreeVerifier | None = None
+        self.graphs = graphs
         if static:
-            cfg = loaded.model.config
-            self.cache = StaticKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                       min(loaded.max_positions, STATIC_CAPACITY), loaded.dtype, loaded.device)
-            self.verifier = TreeVerifier(loaded.model, prepare(loaded.model), self.cache,
-                                         [*self.buffers.values(), self.ar], capture=graphs)
+            self._static(min(loaded.max_positions, capacity or STATIC_CAPACITY))
+
+    def _tree_buffers(self, policy: Policy, built: dict[Topology, TreeBuffers]) -> dict[Topology, TreeBuffers]:
+        """Buffers of every tree `policy` may pick (those in `built` reused), each checked against the heads."""
+        buffers = {}
+        for topology in policy.trees():
+            if topology.depth > 0 and isinstance(self.drafter, NoDrafter):
+                raise ValueError(f"policy '{policy.name}' drafts with tree '{topology.name}' but no heads were "
+                                 "loaded; pass --heads DIR")
+            if topology not in built:
+                checked = load_topology(topology, max_depth=self.drafter.max_depth)  # no deeper than the heads
+                built[topology] = build_buffers(checked, self.loaded.device, self.leaf_logits)
+            buffers[topology] = built[topology]
+        return buffers
+
+    def _static(self, capacity: int) -> None:
+        """A static cache of `capacity` positions and its verifier over every tree (captured when graphs are on)."""
+        cfg = self.loaded.model.config
+        self.cache = None  # the old cache's memory is free before the new one is allocated
+        self.verifier = None
+        self.cache = StaticKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity,
+                                   self.loaded.dtype, self.loaded.device)
+        self.verifier = TreeVerifier(self.loaded.model, prepare(self.loaded.model), self.cache,
+                                     [*self.buffers.values(), self.ar], capture=self.graphs)
+
+    def _grow_static(self, need: int) -> None:
+        """A request needs `need` positions, more than the static cache holds (a row asking more new tokens than
+        the job sized it for): a larger cache, rounded up, and the graphs captured again; once per size."""
+        capacity = min(self.loaded.max_positions, -(-need // CAPACITY_GRAIN) * CAPACITY_GRAIN)
+        log.warning("a request needs %d positions, the static KV cache holds %d: growing it to %d%s", need,
+                    self.cache.capacity, capacity, " and capturing the graphs again" if self.graphs else "")
+        self._static(capacity)
 
     def _cache_for(self, capacity: int) -> KVCache:
         if self.verifier is None and (self.cache is None or self.cache.capacity < capacity):
@@ -397,11 +425,15 @@ class SpecDecoder:
             finish_reason=request.finish, prefill_s=prefill_s, decode_s=decode_s, steps=request.steps,
             schedule_s=request.schedule_s)
 
+    @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None,
                 profile: bool = False) -> Request:
         """The prompt, causally, into a fresh cache; its last logits give the first token (the first root)."""
+        need = len(prompt_ids) + cfg.max_new_tokens + max(self.max_nodes, ONE_TOKEN_ROWS)
+        if self.verifier is not None and need > self.cache.capacity < self.loaded.max_positions:
+            self._grow_static(need)
         context = self.cache.capacity if self.verifier is not None else self.loaded.max_positions
-        capacity = min(context, len(prompt_ids) + cfg.max_new_tokens + max(self.max_nodes, ONE_TOKEN_ROWS))
+        capacity = min(context, need)
         if len(prompt_ids) >= capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the model's "
                              f"{context}-token context")
@@ -422,6 +454,7 @@ class SpecDecoder:
         self.emit(request, [root])
         return request
 
+    @torch.inference_mode()
     def step(self, request: Request) -> StepTrace | None:
         """One draft-verify step of a running request: its trace, or None when the context is full."""
         pending = self.draft_step(request)
@@ -431,6 +464,7 @@ class SpecDecoder:
         pending.clock.mark("verify")
         return self.finish_step(request, pending, verified)
 
+    @torch.inference_mode()
     def draft_step(self, request: Request) -> PendingStep | None:
         """A step's first phases: choose the tree and draft its tokens below the root (`choose_step`, then the
         drafter). None, with the request finished, when the context is full."""
@@ -453,6 +487,7 @@ class SpecDecoder:
             return None
         return PendingStep(buffers, None, signal, clock)
 
+    @torch.inference_mode()
     def finish_step(self, request: Request, pending: PendingStep, verified: Verified) -> StepTrace:
         """A step's phases after its verify forward: accept a path and the token after it, commit it to both
         caches and emit its tokens, then let the policy (and the signal) see the step."""
@@ -467,6 +502,21 @@ class SpecDecoder:
         if request.profile:
             trace.seconds = clock.seconds
         return trace
+
+    def for_policy(self, policy: Policy) -> SpecDecoder:
+        """A decoder for another policy over this one's model, drafter, static cache and verifier (which captures
+        the new policy's trees into the same graph memory pool), e.g. one per candidate tree in a bank's timing:
+        on a GPU one cache and one pool instead of one per tree. The decoders share state, so they must run one
+        at a time (a calibration does), never interleaved."""
+        twin = copy.copy(self)
+        twin.policy = policy
+        if not any(t.depth > 0 for t in policy.trees()):  # as Stack.decoder: a policy that never drafts, no heads' work
+            twin.drafter = NoDrafter(self.loaded.device)
+        twin.buffers = self._tree_buffers(policy, dict(self.buffers))
+        twin.max_nodes = max(b.num_nodes for b in twin.buffers.values())
+        if self.verifier is not None:
+            self.verifier.add(list(twin.buffers.values()))
+        return twin
 
     def lane(self) -> SpecDecoder:
         """Another decoder over the same model, heads and tree buffers with caches and policy state of its own:
@@ -486,6 +536,7 @@ class SpecDecoder:
             return buffers
         return self.ar if committed + 1 <= request.capacity else None
 
+    @torch.inference_mode()
     def verify(self, request: Request, buffers: TreeBuffers, tokens: torch.Tensor) -> Verified:
         """One forward of the base model over the tree's nodes, and the verifier logits of its logit nodes."""
         committed = self.cache.length

@@ -26,9 +26,19 @@ from entmtp_ray.model.llama import decoder_layer, rotary_tables
 
 log = logging.getLogger(__name__)
 
-# Positions a static cache holds at most: the model's context, up to this (Vicuna's is 2048, SmolLM2's 8192;
-# a longer one would spend memory and attention reads on columns a batch job rarely fills).
+# Positions a static cache holds when no job sized it (library callers): the model's context, up to this (Vicuna's
+# is 2048, SmolLM2's 8192; a longer one would spend memory and attention reads on columns a batch job rarely fills).
 STATIC_CAPACITY = 8192
+CAPACITY_GRAIN = 256  # a static cache's positions are a multiple of this: few distinct sizes, a little slack
+
+
+def static_capacity(max_prompt_tokens: int, max_new_tokens: int, max_nodes: int, context: int) -> int:
+    """Positions a static cache needs for a job: its longest prompt allowed, its new tokens and the largest tree's
+    nodes (the last step's pending block), rounded up to CAPACITY_GRAIN, never past the model's context. Every
+    graphed step attends over the whole capacity, so a cache sized from the job, not the context, is cheaper
+    (Vicuna: 1,400 + 256 + 64 -> 1,792 of 2,048 positions; the embedded model's 8,192 -> 1,792)."""
+    need = max_prompt_tokens + max_new_tokens + max_nodes
+    return min(context, -(-need // CAPACITY_GRAIN) * CAPACITY_GRAIN)
 
 
 class StaticKVCache(KVCache):
@@ -82,6 +92,7 @@ def forward_static(model, plan: ModelPlan, cache: StaticKVCache, tokens: torch.T
 
 @dataclass
 class _Graph:
+    buffers: TreeBuffers  # held, so that the id the graph is found by is never another tree's
     graph: "torch.cuda.CUDAGraph"
     tokens: torch.Tensor  # [n] the captured input, filled before each replay
     hidden: torch.Tensor  # [n, H] the captured outputs, overwritten by each replay
@@ -95,22 +106,31 @@ class TreeVerifier:
     WARMUP = 3  # eager runs on a side stream before a capture, as torch.cuda.graphs asks (lazy inits, autotuning)
 
     def __init__(self, model, plan: ModelPlan, cache: StaticKVCache, trees: list[TreeBuffers], capture: bool):
-        self.model, self.plan, self.cache = model, plan, cache
+        self.model, self.plan, self.cache, self.capture = model, plan, cache, capture
         self.start = torch.zeros(1, dtype=torch.long, device=cache.k.device)
         self.graphs: dict[int, _Graph] = {}
+        self.pool = None
         if capture:
             if cache.k.device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device; run the static verifier with capture off")
-            pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs never run concurrently
-            try:
-                with torch.inference_mode():  # as the decoder replays them
-                    for buffers in trees:
-                        if id(buffers) not in self.graphs:
-                            self.graphs[id(buffers)] = self._capture(buffers, pool)
-            except RuntimeError:  # a stack that cannot capture still decodes, eagerly, and says so
-                log.exception("capturing the verify forward as CUDA graphs failed; verifying eagerly on static shapes")
-                self.graphs.clear()
-            cache.reset()
+            self.pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs never run concurrently
+        self.add(trees)
+
+    def add(self, trees: list[TreeBuffers]) -> None:
+        """Capture the verify of trees not captured yet (another policy's, sharing this verifier and its cache:
+        SpecDecoder.for_policy), into the same memory pool. Eager verifiers have nothing to capture."""
+        if not self.capture or self.pool is None:
+            return
+        try:
+            with torch.inference_mode():  # as the decoder replays them
+                for buffers in trees:
+                    if id(buffers) not in self.graphs:
+                        self.graphs[id(buffers)] = self._capture(buffers, self.pool)
+        except RuntimeError:  # a stack that cannot capture still decodes, eagerly, and says so
+            log.exception("capturing the verify forward as CUDA graphs failed; verifying eagerly on static shapes")
+            self.graphs.clear()
+            self.pool = None
+        self.cache.reset()
 
     def _forward(self, buffers: TreeBuffers, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = forward_static(self.model, self.plan, self.cache, tokens, buffers, self.start)
@@ -128,7 +148,7 @@ class TreeVerifier:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             hidden, logits = self._forward(buffers, tokens)
-        return _Graph(graph, tokens, hidden, logits)
+        return _Graph(buffers, graph, tokens, hidden, logits)
 
     def __call__(self, buffers: TreeBuffers, tokens: torch.Tensor,
                  committed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from entmtp_ray.calibrate.bank import (BANK_POLICIES, Bank, bank_policy, current
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
 from entmtp_ray.decode.policy import POLICIES, Policy, make_policy
+from entmtp_ray.decode.static import static_capacity
 from entmtp_ray.decode.tree import make_topology
 from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, check_quantization,
                                       draft_vocab_for, heads_source, load_model, load_model_heads)
@@ -142,10 +143,15 @@ class Stack:
     def max_depth(self) -> int:
         return self.drafter.max_depth if self.drafter is not None else 0
 
-    def decoder(self, policy: Policy) -> SpecDecoder:
-        """A decoder for `policy` on this model; a policy that never drafts gets no drafter (no heads' work)."""
+    def decoder(self, policy: Policy, decoding: DecodingConfig | None = None) -> SpecDecoder:
+        """A decoder for `policy` on this model; a policy that never drafts gets no drafter (no heads' work). With
+        `decoding`, a static KV cache (CUDA) holds what its longest prompt allowed and its new tokens need
+        (static.static_capacity), not the model's whole context."""
         drafts = any(t.depth > 0 for t in policy.trees())
-        return SpecDecoder(self.loaded, self.drafter if drafts else None, policy)
+        capacity = None if decoding is None else static_capacity(
+            decoding.max_input_tokens, decoding.max_new_tokens, max(t.num_nodes for t in policy.trees()),
+            self.loaded.max_positions)
+        return SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
 
 
 def load_stack(model_cfg: ModelConfig, with_heads: bool) -> Stack:

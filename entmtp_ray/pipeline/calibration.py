@@ -96,11 +96,15 @@ def step_seconds(engine: Engine, trees: dict[str, Topology], prompts: list[str],
     if set(trees) <= set(saved.get("steps", {})):  # a finished timing
         return {name: saved["steps"][name] for name in trees}, sum(prefill) / len(prefill)
     cfg = DecodingConfig(policy="fixed", tree="ar", max_new_tokens=new_tokens)
-    decoders = {}
-    for name, topology in trees.items():
-        decoders[name] = engine.stack.decoder(FixedTree(name, topology))
-        decoders[name].generate(engine.encode(prompts[0]), cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
     encoded = [engine.encode(prompt) for prompt in prompts]
+    # one decoder per tree, all over the largest one's static cache and graph pool (they run one at a time)
+    largest = max(trees, key=lambda name: trees[name].num_nodes)
+    sizing = cfg.model_copy(update={"max_input_tokens": max(len(ids) for ids in encoded)})
+    first = engine.stack.decoder(FixedTree(largest, trees[largest]), sizing)
+    decoders = {name: first if name == largest else first.for_policy(FixedTree(name, topology))
+                for name, topology in trees.items()}
+    for decoder in decoders.values():
+        decoder.generate(encoded[0], cfg.model_copy(update={"max_new_tokens": 8}))  # warm-up
     names = list(trees)
     rounds: list[dict[str, float]] = saved.get("rounds", [])  # per prompt: tree -> seconds per step
     for k, ids in enumerate(encoded):

@@ -181,7 +181,7 @@ class Engine:
             raise ValueError("the shared model was loaded without heads, which this policy drafts with")
         self.stack = stack or load_stack(model_cfg, resolved.needs_heads)
         self.loaded = self.stack.loaded
-        self.decoder = self.stack.decoder(resolved.policy)
+        self.decoder = self.stack.decoder(resolved.policy, self.decoding)  # a static cache sized from the job
         self.batcher = Batcher(self.decoder, concurrency, executor) if concurrency > 1 else None
         self.bank_label = resolved.bank_label
         warn_if_bank_elsewhere(self.stack, resolved, concurrency)
