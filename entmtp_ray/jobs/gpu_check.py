@@ -1,30 +1,40 @@
-"""The GPU path in one command, on a machine with a GPU and no internet, in under 10 minutes.
+"""The GPU path's first figures in one offline command that keeps its own time budget (default 6 minutes).
 
-    python jobs/gpu_check.py --output runs/gpu-check [--gsm8k PATH] [--sharegpt PATH]
+    python jobs/gpu_check.py --output runs/gpu-check [--budget-s 360] [--device cuda|cpu] [--stages ...]
 
-Stages, each in its own process with its own time limit (a stage that fails or times out is reported, the
-others still run); the last stdout line is one JSON summary, also written to OUTPUT/summary.json:
+Made for a borrowed GPU machine with no hub, no package index and no Ray: it needs torch, transformers and
+safetensors, plus pydantic, which it installs from wheels in the checkout's `.whl/` when the machine lacks it
+(`make gpu-wheels` downloads them here). Stages, most valuable first, each in a child process with its share of
+what is left of the budget; each writes OUTPUT/<stage>.json as it measures, so a stage stopped at its limit
+keeps what it had, and the parent rewrites OUTPUT/summary.json after every stage (last stdout line: the summary).
+All output goes to at most six files (the four stages', the summary and one log).
 
-1. decode: the embedded model on CUDA fp16 with its shipped heads, on held-out humaneval prompts: ar, hydra
-   and entmtp-tau greedy, each through the dynamic forward, the static one and the captured CUDA graphs.
-   Every output against AR's (a difference passes only as a float tie at its first token), tokens/s per
-   mode, and the host-device synchronisations per step that torch.cuda.set_sync_debug_mode reports.
-2. bench: jobs/bench.py's side-by-side table (tokens/s, tau, x AR) for ar, hydra and entmtp-tau at T=0 on
-   each task with prompts here (humaneval ships with the package; --gsm8k/--sharegpt name local copies).
-   bench exits 1 when a greedy output differs from AR's beyond a float tie.
-3. bank: jobs/build_bank.py on a small humaneval calibration, timed on this GPU.
-4. ray: jobs/generate.py with 2 actors at --gpus-per-actor 0.5 (both on one GPU) on local Ray, with --bank auto:
-   a bank calibrated on 4 of the 12 prompts on the GPU (those 4 rows are the calibration's), the other 8 rows
-   decoded by the two actors with it.
-5. quantized: jobs/bench.py on humaneval in bf16 with --quantize int8 and --quantize int4 (the CUDA weight-only
-   kernels, through the static forward and CUDA graphs): tokens/s beside the same run's AR, greedy outputs
-   checked against the quantized model's AR.
+1. shapes: a random-weight Llama of Vicuna-7B's shape (32 layers, hidden 4096, 32 heads, MLP 11008, 2,048
+   positions, fp16) with random Hydra++ heads in the published layout (prefix layer, 4 heads of 4 blocks, a
+   vocabulary projection each), built on the device: AR ms per token and the verify ms of trees of 1-64 nodes
+   (prefixes of Hydra's tree) through the dynamic, static and graphed paths; drafting ms per tree; CUDA
+   synchronisations per step; graph capture seconds; the batched step of K lanes (eager on CUDA); which SDPA
+   kernel each path ran; peak memory; whether every path gives dynamic AR's greedy tokens.
+2. peer: the same model and prompt through transformers' `generate` (its default cache, its static cache),
+   beside our AR; a device-to-device copy's bandwidth and the weights' bytes, so each row shows its share of the
+   memory-bound floor.
+3. decode: the embedded model (or --model/--heads) with its heads and bank: ar, hydra and entmtp-tau on every
+   path, each output against AR's under the tie rule; skipped, with the reason, where the model is not here
+   (the embedded GGUF is larger than a device call carries).
+4. quantized: int8 and int4 weights at Vicuna's shape (bf16, tinygemm's int4 layout) beside unquantized bf16:
+   AR ms per token and verify ms, through the kernels directly (the job refuses int8 on CUDA; this measures why).
+
+`--device cpu` runs every stage on scaled-down shapes (recorded in each file): the test suite's check that the
+script works. Figures from a run: docs/measurements.md ("The first GPU run").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,191 +43,631 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: jobs/ beside entmtp_ray/
-STAGES = ("decode", "bench", "bank", "ray", "quantized")
-POLICIES = ("ar", "hydra", "entmtp-tau")
-MODES = {"dynamic": dict(static=False, graphs=False), "static": dict(static=True, graphs=False),
-         "graphs": dict(static=True, graphs=True)}
+STAGES = ("shapes", "peer", "decode", "quantized")
+SHARES = {"shapes": 0.4, "peer": 0.25, "decode": 0.1, "quantized": 0.25}  # of the budget left when a stage starts
+WHEELS = ROOT / ".whl"
+SITE = Path("/tmp/entmtp-gpu-site")  # where the carried wheels are installed
+LOG = "log.txt"
+
+# Vicuna-7B v1.3's shape, and the scaled-down one a CPU run measures (the same code, seconds instead of minutes)
+VICUNA_7B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                 intermediate_size=11008, max_position_embeddings=2048, vocab_size=32000, rms_norm_eps=1e-6)
+CPU_SCALED = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=512, max_position_embeddings=512, vocab_size=2048, rms_norm_eps=1e-6)
+HYDRA_HEADS = dict(num_heads=4, num_layers=4, arch="prefix-mlp", shared_lm_head=False)  # ankner/hydra-vicuna-7b-v1.3
+TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+LANES = (1, 2, 4)
 
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--output", required=True, help="directory for every stage's files and summary.json")
+    p.add_argument("--output", required=True, help="folder for the stages' JSON files, summary.json and log.txt")
+    p.add_argument("--budget-s", type=float, default=360.0, help="seconds for the whole run, every stage included")
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
-    p.add_argument("--prompts", type=int, default=4, help="held-out prompts per task")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gsm8k", default=None, help="a local copy of GSM8K (the machine has no hub access)")
-    p.add_argument("--sharegpt", default=None, help="a local copy of ShareGPT")
-    p.add_argument("--device", default="cuda", help="cuda; cpu runs the same stages without CUDA graphs or sync "
-                   "counts (the test suite's smoke run of this script)")
-    p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # run one in-process stage (the child)
+    p.add_argument("--device", default="cuda", help="cuda[:N], or cpu: every stage on scaled-down shapes")
+    p.add_argument("--model", default=None, help="the decode stage's model (default: the embedded one)")
+    p.add_argument("--heads", default=None, help="the decode stage's heads (default: those shipped for the model)")
+    p.add_argument("--prompts", type=int, default=2, help="the decode stage's held-out humaneval prompts")
+    p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # the child: run this stage
+    p.add_argument("--stage-s", type=float, default=None, help=argparse.SUPPRESS)  # the child's own limit
     return p.parse_args(argv)
 
 
-def decode_stage(args) -> dict:
-    """Stage 1, in this process (the parent runs it as a child)."""
-    import torch
+# ---- the parent: wheels, the budget, the summary ------------------------------------------------------------
 
-    from entmtp_ray.bench.compare import compare_greedy, continuation_logits
-    from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.decode.loop import SpecDecoder
-    from entmtp_ray.pipeline.assemble import load_stack, plan
-    from entmtp_ray.pipeline.engine import encode_checked
-    from entmtp_ray.pipeline.tasks import load_prompts
-
-    cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device visible to torch")
-    stack = load_stack(ModelConfig(device=args.device, dtype="fp16" if cuda else "fp32"), with_heads=True)
-    loaded = stack.loaded
-    modes = {mode: options for mode, options in MODES.items() if cuda or not options["graphs"]}
-    table = load_prompts("humaneval", None, limit=args.prompts, seed=1, subset="eval")
-    prompts = [encode_checked(loaded, p, 2048) for p in table.column("prompt").to_pylist()]
-    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                 "cuda": torch.version.cuda,
-                 "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "policies": {}}
-    reference: list[list[int]] = []
-    for name in POLICIES:
-        cfg = DecodingConfig(policy=name, task="humaneval", max_new_tokens=args.max_new_tokens)
-        policy = plan(ModelConfig(), cfg).policy
-        row: dict = {}
-        for mode, options in modes.items():
-            started = time.perf_counter()
-            decoder = SpecDecoder(loaded, stack.drafter if name != "ar" else None, policy, **options)
-            build_s = time.perf_counter() - started
-            decoder.generate(prompts[0][:32], cfg)  # warm-up (lazy CUDA inits)
-            results, syncs = [], []
-            for ids in prompts:
-                request = decoder.prefill(ids, cfg)
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    if cuda:
-                        torch.cuda.set_sync_debug_mode("warn")  # a warning per synchronising call
-                    steps = 0
-                    while request.finish is None:
-                        decoder.step(request)
-                        steps += 1
-                    if cuda:
-                        torch.cuda.set_sync_debug_mode("default")
-                syncs.append(sum("synchroniz" in str(w.message) for w in caught) / max(1, steps) if cuda else None)
-                results.append(decoder.generate(ids, cfg))  # timed run
-            tokens = [r.output_token_ids for r in results]
-            if name == "ar" and mode == "dynamic":
-                reference = tokens
-            checks = [compare_greedy(got, want, continuation_logits(loaded, ids, want), loaded.dtype)
-                      for got, want, ids in zip(tokens, reference, prompts)]
-            row[mode] = {
-                "tokens_per_s": statistics.median(r.tokens_per_s for r in results),
-                "tau": statistics.mean(r.mean_accepted_length for r in results),
-                "graphs_captured": len(decoder.verifier.graphs) if decoder.verifier is not None else 0,
-                "syncs_per_step": max(syncs) if cuda else None, "greedy_vs_ar": sorted(set(checks)),
-                "build_s": round(build_s, 2),
-            }
-        base = row["dynamic"]["tokens_per_s"]
-        for mode in modes:
-            row[mode]["x_dynamic"] = round(row[mode]["tokens_per_s"] / base, 3) if base else None
-        out["policies"][name] = row
-    fastest = list(modes)[-1]
-    ar = out["policies"]["ar"][fastest]["tokens_per_s"]
-    for name in POLICIES:
-        out["policies"][name][fastest]["x_ar"] = round(out["policies"][name][fastest]["tokens_per_s"] / ar, 3)
-    out["ok"] = all(set(r["greedy_vs_ar"]) <= {"equal", "tie"} for p in out["policies"].values() for r in p.values())
-    return out
-
-
-def _run(command: list[str], log: Path, timeout: float) -> tuple[int | None, float, str]:
-    """(exit status or None on timeout, seconds, last stdout line) of a child whose output goes to `log`."""
-    started = time.perf_counter()
-    with log.open("w") as handle:
-        try:
-            status = subprocess.run(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                    timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            status = None
-    lines = [line for line in log.read_text().splitlines() if line.strip()]
-    return status, round(time.perf_counter() - started, 1), lines[-1] if lines else ""
-
-
-def _json_or(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def ensure_pydantic(env: dict) -> str:
+    """Make pydantic importable in the children: already there, or installed from the carried wheels."""
+    if importlib.util.find_spec("pydantic") is not None:
+        return "installed"
+    wheels = sorted(str(w) for w in WHEELS.glob("*.whl"))
+    if not wheels:
+        raise SystemExit("gpu_check: pydantic is not installed and .whl/ holds no wheels: run `make gpu-wheels` on a "
+                         "machine with the package index and carry .whl/, or pip install pydantic")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels], check=True)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return f"from {len(wheels)} carried wheels"
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    if args.stage == "decode":
-        print(json.dumps(decode_stage(args)), flush=True)
-        return 0
-    py = sys.executable
-    summary: dict = {"stages": {}}
-    tasks = {"humaneval": None, "gsm8k": args.gsm8k, "sharegpt": args.sharegpt}
-    common = ["--device", args.device, "--dtype", "fp16" if args.device.startswith("cuda") else "fp32"]
-    for stage in args.stages:
-        if stage == "decode":
-            command = [py, "-m", "entmtp_ray.jobs.gpu_check", "--stage", "decode", "--output", str(out),
-                       "--device", args.device,
-                       "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
-            status, seconds, last = _run(command, out / "decode.log", 180)
-            summary["stages"]["decode"] = {"status": status, "seconds": seconds, "result": _json_or(last)}
-        elif stage == "bench":
-            for task, dataset in tasks.items():
-                if task != "humaneval" and dataset is None:
-                    summary["stages"][f"bench-{task}"] = {"skipped": f"no local copy (pass --{task} PATH)"}
-                    continue
-                target = out / f"bench-{task}"
-                command = [py, "jobs/bench.py", "--task", task, "--limit", str(args.prompts), "--max-new-tokens",
-                           str(args.max_new_tokens), "--temperatures", "0", "--systems", *POLICIES,
-                           "--output", str(target), *common] + (["--dataset", dataset] if dataset else [])
-                status, seconds, _ = _run(command, out / f"bench-{task}.log", 120)
-                report = target / "report.json"
-                summary["stages"][f"bench-{task}"] = {
-                    "status": status, "seconds": seconds,
-                    "table": json.loads(report.read_text()).get("rows") if report.is_file() else None}
-        elif stage == "bank":
-            command = [py, "jobs/build_bank.py", "--task", "humaneval", "--prompts", "8", "--max-new-tokens", "64",
-                       "--budget", "32", "--timing-prompts", "2", "--out", str(out / "bank.json"),
-                       "--work", str(out / "bank-work"), *common]
-            status, seconds, _ = _run(command, out / "bank.log", 150)
-            summary["stages"]["bank"] = {"status": status, "seconds": seconds,
-                                         "bank_written": (out / "bank.json").is_file()}
-        elif stage == "ray":
-            command = [py, "jobs/generate.py", "--task", "humaneval", "--limit", "12", "--max-new-tokens", "64",
-                       "--min-actors", "2", "--max-actors", "2", "--gpus-per-actor", "0.5", "--bank", "auto",
-                       "--calibration-prompts", "4", "--calibration-budget", "32", "--bank-cache",
-                       str(out / "bank-cache"), "--output", str(out / "ray-job"), *common]
-            status, seconds, last = _run(command, out / "ray.log", 210)
-            summary["stages"]["ray"] = {"status": status, "seconds": seconds, "summary": _json_or(last),
-                                        "actors": _actors(out / "ray-job")}
-        elif stage == "quantized":
-            for scheme in ("int8", "int4"):
-                target = out / f"quantized-{scheme}"
-                command = [py, "jobs/bench.py", "--task", "humaneval", "--limit", str(args.prompts),
-                           "--max-new-tokens", str(args.max_new_tokens), "--temperatures", "0", "--systems",
-                           *POLICIES, "--quantize", scheme, "--output", str(target), "--device", args.device,
-                           "--dtype", "bf16"]
-                status, seconds, _ = _run(command, out / f"quantized-{scheme}.log", 120)
-                report = target / "report.json"
-                summary["stages"][f"quantized-{scheme}"] = {
-                    "status": status, "seconds": seconds,
-                    "table": json.loads(report.read_text()).get("rows") if report.is_file() else None}
-    summary["ok"] = all(s.get("status") == 0 or "skipped" in s for s in summary["stages"].values())
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.stage:
+        return run_stage(args, out)
+    started = time.monotonic()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    summary: dict = {"budget_s": args.budget_s, "device": args.device, "pydantic": ensure_pydantic(env),
+                     "stages": {}}
+    pending = list(args.stages)
+    with (out / LOG).open("w") as log:
+        while pending:
+            stage = pending[0]
+            left = args.budget_s - (time.monotonic() - started) - 5  # a few seconds to write the summary
+            limit = left * SHARES[stage] / sum(SHARES[s] for s in pending)
+            pending.pop(0)
+            summary["stages"][stage] = _run_child(args, out, stage, limit, env, log)
+            summary["elapsed_s"] = round(time.monotonic() - started, 1)
+            summary["ok"] = all(s["status"] == 0 and (s.get("result") or {}).get("ok", True) is not False
+                                for s in summary["stages"].values())
+            _write_json(out / "summary.json", summary)
     print(json.dumps(summary), flush=True)
     return 0 if summary["ok"] else 1
 
 
-def _actors(directory: Path) -> int | None:
-    """How many distinct actors wrote the job's rows."""
+def _run_child(args, out: Path, stage: str, limit: float, env: dict, log) -> dict:
+    """One stage in a child process, stopped at `limit` seconds (it stops itself a little sooner): its status
+    (None: stopped), seconds, and the JSON it wrote."""
+    if limit < 10:
+        return {"status": None, "seconds": 0, "limit_s": round(limit, 1), "skipped": "no budget left"}
+    command = [sys.executable, "-m", "entmtp_ray.jobs.gpu_check", "--stage", stage, "--stage-s", f"{limit:.0f}",
+               "--output", str(out), "--device", args.device, "--prompts", str(args.prompts)]
+    command += ["--model", args.model] if args.model else []
+    command += ["--heads", args.heads] if args.heads else []
+    log.write(f"==== {stage} (limit {limit:.0f} s)\n")
+    log.flush()
+    begun = time.monotonic()
     try:
-        import pyarrow.dataset as pads
+        status = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=limit).returncode
+    except subprocess.TimeoutExpired:
+        status = None
+    file = out / f"{stage}.json"
+    try:
+        result = json.loads(file.read_text())
+    except (OSError, ValueError):
+        result = None
+    return {"status": status, "seconds": round(time.monotonic() - begun, 1), "limit_s": round(limit, 1),
+            "file": file.name, "result": result}
 
-        return len(set(pads.dataset(directory, format="parquet").to_table(columns=["actor_id"])
-                       .column("actor_id").to_pylist()))
-    except Exception:  # noqa: BLE001 - a missing or partial output is reported as None
+
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    tmp.replace(path)
+
+
+# ---- the child: what every stage shares --------------------------------------------------------------------
+
+class Record:
+    """A stage's JSON file, rewritten at every `put` (so what was measured survives a stop), and its clock."""
+
+    def __init__(self, path: Path, seconds: float, **head):
+        self.path, self.data = path, dict(head)
+        self.deadline = time.monotonic() + seconds - 3
+        self.write()
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        self.write()
+
+    def write(self) -> None:
+        _write_json(self.path, self.data)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def run_stage(args, out: Path) -> int:
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
+    cuda = device.type == "cuda"
+    head = {"stage": args.stage, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+    if not cuda and args.stage != "decode":
+        head["scaled_down"] = "CPU run: the shapes below, not Vicuna-7B's, and few repeats (plumbing, not figures)"
+    record = Record(out / f"{args.stage}.json", args.stage_s or 600, **head)
+    try:
+        {"shapes": shapes_stage, "peer": peer_stage, "decode": decode_stage, "quantized": quantized_stage}[
+            args.stage](args, device, record)
+    except Exception as exc:  # the stage's file says what broke, and what it measured before
+        record.put("error", f"{type(exc).__name__}: {exc}"[:2000])
+        record.put("ok", False)
+        raise
+    return 0
+
+
+def _shape(device) -> dict:
+    return VICUNA_7B if device.type == "cuda" else CPU_SCALED
+
+
+def _repeats(device) -> int:
+    return 20 if device.type == "cuda" else 3
+
+
+def _new_tokens(device) -> int:
+    return 64 if device.type == "cuda" else 12
+
+
+class _NoTokenizer:
+    """A random model has no tokenizer; the decoder decodes its output to text, which says nothing here."""
+
+    def decode(self, token_ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+@contextlib.contextmanager
+def _made_on(device, dtype):
+    """Modules built inside are made on `device` in `dtype` (a 7B model never passes through host memory)."""
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def random_stack(shape: dict, dtype, device, seed: int = 0):
+    """(LoadedModel, HydraDrafter) of a random-weight Llama of `shape` with random heads in Hydra++'s layout."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from entmtp_ray.decode.loop import HydraDrafter
+    from entmtp_ray.model.heads import init_heads
+    from entmtp_ray.model.loading import LoadedModel
+
+    torch.manual_seed(seed)
+    with _made_on(device, dtype):
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False)).eval().requires_grad_(False)
+        heads = init_heads(model, seed=seed + 1, base_name="random", **HYDRA_HEADS)
+        with torch.no_grad():  # fresh heads start as the residual map; random blocks make drafting's work real
+            for mlp in heads.mlps:
+                torch.nn.init.normal_(mlp.first_linear.weight, std=0.02)
+                torch.nn.init.normal_(mlp.block.weight, std=0.02)
+    heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    loaded = LoadedModel(name="random-" + ("vicuna-7b-shape" if shape is VICUNA_7B else "scaled"), model=model,
+                         tokenizer=_NoTokenizer(), chat_format="raw", dtype=dtype, device=torch.device(device),
+                         eos_token_ids=frozenset())
+    return loaded, HydraDrafter(heads, model)
+
+
+def model_bytes(model) -> dict:
+    """The weights' bytes, and those one decoding step reads (all but the embedding table, of which one row)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    return {"weights_bytes": total, "step_read_bytes": total - embed.numel() * embed.element_size()}
+
+
+def tree_ladder(sizes=TREE_SIZES) -> dict:
+    """Trees of each size: the first n - 1 paths of Hydra's 64-node tree in canonical order (prefix-closed)."""
+    from entmtp_ray.decode.tree import load_topology, make_topology, path_order
+
+    paths = sorted(load_topology("hydra").paths, key=path_order)
+    return {n: make_topology(paths[: n - 1], f"hydra-first-{n}") for n in sizes if n - 1 <= len(paths)}
+
+
+class Pick:
+    """A policy over a set of trees whose tree the caller sets (`current`): one decoder, and on CUDA one set of
+    captured graphs, verifies every tree size."""
+
+    name = "pick"
+    signal_stat = None
+
+    def __init__(self, trees):
+        self.all = list(trees)
+        self.current = self.all[0]
+
+    def trees(self):
+        return self.all
+
+    def reset(self) -> None:
+        pass
+
+    def choose(self):
+        return self.current
+
+    def observe(self, step) -> None:
+        pass
+
+
+def median_ms(fn, repeats: int, device) -> float:
+    """Median wall milliseconds of `fn()` over `repeats` runs after one warm-up, the device synchronised."""
+    from entmtp_ray.model.loading import synchronize
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return round(1000 * statistics.median(times), 3)
+
+
+def _prompt(vocab: int, length: int, seed: int) -> list[int]:
+    import torch
+
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _modes(device) -> dict:
+    modes = {"dynamic": dict(static=False, graphs=False), "static": dict(static=True, graphs=False)}
+    if device.type == "cuda":
+        modes["graphs"] = dict(static=True, graphs=True)
+    return modes
+
+
+def _peak_gib(device) -> float | None:
+    import torch
+
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def _decoder(loaded, drafter, policy, options: dict, capacity: int):
+    from entmtp_ray.decode.loop import SpecDecoder
+
+    return SpecDecoder(loaded, drafter, policy, capacity=capacity, **options)
+
+
+def _capacity(prompt: list[int], new_tokens: int, loaded) -> int:
+    from entmtp_ray.decode.static import static_capacity
+
+    return static_capacity(len(prompt), new_tokens, max(TREE_SIZES), loaded.max_positions)
+
+
+def sdpa_kernels(fn, device) -> list[str]:
+    """The scaled-dot-product-attention operators `fn()` ran (which backend SDPA chose), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+    names = {e.key for e in prof.key_averages()}
+    kernels = ("flash", "fmha", "cudnn", "attention")  # CUDA kernels' names (the operators' are aten::...)
+    return sorted(n[:100] for n in names if "_scaled_dot_product" in n
+                  or not n.startswith("aten::") and any(k in n.lower() for k in kernels))
+
+
+def count_syncs(decoder, prompt: list[int], cfg) -> float | None:
+    """Host-device synchronisations per decoding step (torch.cuda.set_sync_debug_mode warns at each)."""
+    import torch
+
+    if decoder.loaded.device.type != "cuda":
         return None
+    request = decoder.prefill(prompt, cfg)
+    steps = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while request.finish is None:
+                decoder.step(request)
+                steps += 1
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return round(sum("synchroniz" in str(w.message) for w in caught) / max(1, steps), 2)
+
+
+# ---- 1. shapes ---------------------------------------------------------------------------------------------
+
+def shapes_stage(args, device, record: Record) -> None:
+    import torch
+
+    from entmtp_ray.bench.compare import compare_greedy, continuation_logits
+    from entmtp_ray.config import DecodingConfig
+
+    shape, repeats, new_tokens = _shape(device), _repeats(device), _new_tokens(device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    started = time.perf_counter()
+    loaded, drafter = random_stack(shape, dtype, device)
+    record.put("model", {"shape": shape, "dtype": str(dtype), "heads": HYDRA_HEADS, **model_bytes(loaded.model),
+                         "build_s": round(time.perf_counter() - started, 1)})
+    trees = tree_ladder()
+    prompt = _prompt(shape["vocab_size"], 128 if device.type == "cuda" else 32, seed=1)
+    cfg = DecodingConfig(max_new_tokens=new_tokens)
+    capacity = _capacity(prompt, new_tokens, loaded)
+    record.put("static_capacity", capacity)
+    reference = None
+    paths, outputs = {}, {}
+    with torch.inference_mode():
+        for mode, options in _modes(device).items():
+            if record.left() < 20:
+                paths[mode] = {"skipped": "budget"}
+                break
+            policy = Pick(list(trees.values()))
+            begun = time.perf_counter()
+            decoder = _decoder(loaded, drafter, policy, options, capacity)
+            row: dict = {"build_s": round(time.perf_counter() - begun, 2)}
+            if options["graphs"]:
+                row["graphs_captured"] = len(decoder.verifier.graphs)
+                row["capture_s_per_tree"] = round(row["build_s"] / max(1, len(decoder.verifier.graphs)), 3)
+            policy.current = trees[1]
+            ar = decoder.generate(prompt, cfg)
+            row["ar_ms_per_token"] = round(1000 * ar.decode_s / max(1, len(ar.steps)), 3)
+            row["ar_prefill_ms"] = round(1000 * ar.prefill_s, 2)
+            reference = reference or ar.output_token_ids
+            outputs[(mode, "ar")] = ar.output_token_ids
+            request = decoder.prefill(prompt, cfg)
+            verify, draft = {}, {}
+            for n, tree in trees.items():
+                buffers = decoder.buffers[tree]
+                tokens = decoder.drafter.draft(buffers, request.root)
+                verify[n] = median_ms(lambda: decoder.verify(request, buffers, tokens), repeats, device)
+                draft[n] = median_ms(lambda: decoder.drafter.draft(buffers, request.root), repeats, device)
+            row["verify_ms"], row["draft_ms"] = verify, draft
+            row["verify_x_one_token"] = {n: round(ms / verify[1], 2) for n, ms in verify.items()}
+            big = trees[max(trees)]
+            row["sdpa"] = {}
+            for n in (1, big.num_nodes):
+                buffers = decoder.buffers[trees[n]]
+                tokens = decoder.drafter.draft(buffers, request.root)
+                row["sdpa"][f"{n}-node"] = sdpa_kernels(lambda: decoder.verify(request, buffers, tokens), device)
+            policy.current = big
+            spec = decoder.generate(prompt, cfg)
+            row["hydra64_ms_per_step"] = round(1000 * spec.decode_s / max(1, len(spec.steps)), 3)
+            row["hydra64_tau"] = round(spec.mean_accepted_length, 3)
+            outputs[(mode, "hydra64")] = spec.output_token_ids
+            row["syncs_per_step"] = {"ar": None, "hydra64": None}
+            if device.type == "cuda":
+                for name, tree in (("ar", trees[1]), ("hydra64", big)):
+                    policy.current = tree
+                    row["syncs_per_step"][name] = count_syncs(decoder, prompt, cfg)
+            row["peak_gib"] = _peak_gib(device)
+            paths[mode] = row
+            record.put("paths", paths)
+            del decoder
+        logits = continuation_logits(loaded, prompt, reference)
+        record.put("greedy_vs_dynamic_ar", {f"{mode}/{name}": compare_greedy(got, reference, logits, dtype)
+                                            for (mode, name), got in outputs.items()})
+        if record.left() > 15:
+            record.put("lanes", lanes(loaded, drafter, trees[16], prompt, cfg, device))
+    record.put("peak_gib", _peak_gib(device))
+    record.put("ok", all(v in ("equal", "tie") for v in record.data["greedy_vs_dynamic_ar"].values()))
+
+
+def lanes(loaded, drafter, tree, prompt: list[int], cfg, device) -> dict:
+    """ms per batched step of K requests (--concurrent-requests K, each on the tree), and per request: lanes verify
+    on the dynamic path (no static cache or graphs), one attention call per request and layer."""
+    from entmtp_ray.decode.batch import BatchDecoder, Job
+    from entmtp_ray.decode.loop import SpecDecoder
+    from entmtp_ray.decode.policy import FixedTree
+
+    out = {"tree_nodes": tree.num_nodes, "path": "dynamic (eager)", "ms_per_step": {}, "ms_per_request_step": {}}
+    base = SpecDecoder(loaded, drafter, FixedTree(tree.name, tree))
+    for k in LANES:
+        batch = BatchDecoder(base, k)
+        for j in range(k):
+            batch.admit(Job(j, prompt[j:] + prompt[:j], cfg))
+        times = []
+        while batch.running == k and len(times) < 8:
+            from entmtp_ray.model.loading import synchronize
+
+            synchronize(device)
+            start = time.perf_counter()
+            batch.step()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        ms = 1000 * statistics.median(times[1:] or times)
+        out["ms_per_step"][k], out["ms_per_request_step"][k] = round(ms, 3), round(ms / k, 3)
+    return out
+
+
+# ---- 2. peer -----------------------------------------------------------------------------------------------
+
+def copy_bandwidth(device, gib: float) -> float:
+    """GB/s of a device-to-device copy (bytes read plus bytes written), the memory-bound floor's measure."""
+    import torch
+
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 10, device)
+    return round(2 * src.numel() / (ms / 1000) / 1e9, 1)
+
+
+def hf_ms_per_token(model, prompt: list[int], new_tokens: int, device, cache: str | None) -> float:
+    """transformers' greedy generate's ms per token after the first (its prefill timed apart and taken out)."""
+    import torch
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt], device=device)
+
+    def run(n: int):
+        config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                  cache_implementation=cache, disable_compile=True)
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+
+    first = median_ms(lambda: run(1), 2, device)
+    whole = median_ms(lambda: run(new_tokens), 2, device)
+    return round((whole - first) / (new_tokens - 1), 3)
+
+
+def peer_stage(args, device, record: Record) -> None:
+    import torch
+
+    from entmtp_ray.config import DecodingConfig
+    from entmtp_ray.decode.policy import FixedTree
+    from entmtp_ray.decode.tree import load_topology
+
+    shape, new_tokens = _shape(device), _new_tokens(device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    loaded, drafter = random_stack(shape, dtype, device)
+    sizes = model_bytes(loaded.model)
+    bandwidth = copy_bandwidth(device, 2.0 if device.type == "cuda" else 0.25)
+    floor_ms = sizes["step_read_bytes"] / (bandwidth * 1e9) * 1000
+    record.put("floor", {**sizes, "copy_gb_per_s": bandwidth, "one_token_floor_ms": round(floor_ms, 3)})
+    prompt = _prompt(shape["vocab_size"], 128 if device.type == "cuda" else 32, seed=1)
+    cfg = DecodingConfig(max_new_tokens=new_tokens)
+    rows: dict = {}
+
+    def put(name: str, ms: float) -> None:
+        rows[name] = {"ms_per_token": ms, "tokens_per_s": round(1000 / ms, 1), "floor_share": round(floor_ms / ms, 3)}
+        record.put("rows", rows)
+
+    capacity = _capacity(prompt, new_tokens, loaded)
+    for mode, options in _modes(device).items():
+        with torch.inference_mode():
+            decoder = _decoder(loaded, None, FixedTree("ar", load_topology("ar")), options, capacity)
+            decoder.generate(prompt, cfg)
+            results = [decoder.generate(prompt, cfg) for _ in range(3)]
+        put(f"entmtp-ray ar ({mode})", round(1000 * statistics.median(r.decode_s / len(r.steps) for r in results), 3))
+        del decoder
+    for cache in (None, "static"):  # None: transformers' default (dynamic) cache
+        if record.left() < 20:
+            rows[f"transformers generate ({cache or 'default'} cache)"] = {"skipped": "budget"}
+            continue
+        with torch.inference_mode():
+            put(f"transformers generate ({cache or 'default'} cache)",
+                hf_ms_per_token(loaded.model, prompt, new_tokens, device, cache))
+    record.put("ok", True)
+
+
+# ---- 3. decode ---------------------------------------------------------------------------------------------
+
+def decode_stage(args, device, record: Record) -> None:
+    """The embedded model (or --model) with its heads and bank, every policy on every path, against AR."""
+    import torch
+
+    from entmtp_ray.bench.compare import compare_greedy, continuation_logits
+    from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.decode.loop import SpecDecoder
+    from entmtp_ray.decode.static import static_capacity
+    from entmtp_ray.pipeline.assemble import load_stack, plan
+    from entmtp_ray.pipeline.engine import encode_checked
+    from entmtp_ray.pipeline.tasks import load_prompts
+
+    model_cfg = ModelConfig(device=str(device), dtype="fp16" if device.type == "cuda" else "fp32",
+                            **({"model": args.model} if args.model else {}), heads=args.heads)
+    try:
+        stack = load_stack(model_cfg, with_heads=True)
+    except (FileNotFoundError, ImportError) as exc:  # the embedded GGUF (98 MB) does not travel to a borrowed GPU
+        record.put("skipped", f"{model_cfg.model} is not on this machine ({exc}); pass --model DIR --heads DIR")
+        record.put("ok", None)
+        return
+    loaded = stack.loaded
+    new_tokens = 128 if device.type == "cuda" else 8
+    table = load_prompts("humaneval", None, limit=args.prompts, seed=1, subset="eval")
+    prompts = [encode_checked(loaded, p, 2048) for p in table.column("prompt").to_pylist()]
+    record.put("model", model_cfg.model)
+    record.put("prompts", len(prompts))
+    record.put("max_new_tokens", new_tokens)
+    policies: dict = {}
+    reference: list[list[int]] = []
+    for name in ("ar", "hydra", "entmtp-tau"):
+        cfg = DecodingConfig(policy=name, task="humaneval", max_new_tokens=new_tokens)
+        policy = plan(model_cfg, cfg).policy
+        row: dict = {}
+        for mode, options in _modes(device).items():
+            if record.left() < 15:
+                row[mode] = {"skipped": "budget"}
+                continue
+            capacity = static_capacity(max(map(len, prompts)), new_tokens, max(t.num_nodes for t in policy.trees()),
+                                       loaded.max_positions)
+            decoder = SpecDecoder(loaded, stack.drafter if name != "ar" else None, policy, capacity=capacity, **options)
+            decoder.generate(prompts[0][:32], cfg.model_copy(update={"max_new_tokens": 8}))  # lazy inits
+            results = [decoder.generate(ids, cfg) for ids in prompts]
+            tokens = [r.output_token_ids for r in results]
+            if not reference:
+                reference = tokens
+            with torch.inference_mode():
+                checks = [compare_greedy(got, want, continuation_logits(loaded, ids, want), loaded.dtype)
+                          for got, want, ids in zip(tokens, reference, prompts)]
+            row[mode] = {"tokens_per_s": round(statistics.median(r.tokens_per_s for r in results), 2),
+                         "tau": round(statistics.mean(r.mean_accepted_length for r in results), 3),
+                         "greedy_vs_ar": sorted(set(checks))}
+            policies[name] = row
+            record.put("policies", policies)
+            del decoder
+    record.put("ok", all(set(m.get("greedy_vs_ar", ["equal"])) <= {"equal", "tie"}
+                         for p in policies.values() for m in p.values()))
+
+
+# ---- 4. quantized ------------------------------------------------------------------------------------------
+
+def quantized_stage(args, device, record: Record) -> None:
+    """int8 and int4 weights beside unquantized bf16, each first probed with one eager one-token verify: a scheme
+    over PROBE_LIMIT times bf16's is recorded at that and not measured further (a slow kernel would eat the budget)."""
+    import torch
+
+    from entmtp_ray.config import DecodingConfig
+    from entmtp_ray.model.kernels import LayerShapes, quantization_problem, set_quantization
+
+    shape, repeats, new_tokens = _shape(device), _repeats(device), _new_tokens(device)
+    dtype = torch.bfloat16  # tinygemm's int4 takes bf16 activations only; the unquantized row is bf16 as well
+    loaded, drafter = random_stack(shape, dtype, device)
+    record.put("model", {"shape": shape, "dtype": str(dtype)})
+    trees = tree_ladder((1, 16, 64))
+    prompt = _prompt(shape["vocab_size"], 128 if device.type == "cuda" else 32, seed=1)
+    cfg = DecodingConfig(max_new_tokens=new_tokens)
+    capacity = _capacity(prompt, new_tokens, loaded)
+    path = "graphs" if device.type == "cuda" else "dynamic"
+    record.put("path", path)
+    schemes: dict = {}
+    record.put("schemes", schemes)
+    for scheme in ("none", "int4", "int8"):  # int8 last: on CUDA its kernel may be the slowest by far
+        row: dict = {"job_refuses": quantization_problem(LayerShapes.of_config(shape), scheme, device.type, dtype)}
+        schemes[scheme] = row
+        if record.left() < 20:
+            row["skipped"] = "budget"
+            continue
+        try:
+            for layer in loaded.model.model.layers:
+                for module in layer.modules():
+                    if isinstance(module, torch.nn.Linear):
+                        set_quantization(module, scheme)
+            loaded.quantize = scheme
+            with torch.inference_mode():
+                policy = Pick(list(trees.values()))
+                eager = _decoder(loaded, drafter, policy, _modes(device)["dynamic"], capacity)  # quantizes, once
+                request = eager.prefill(prompt, cfg)
+                tokens = eager.drafter.draft(eager.buffers[trees[1]], request.root)
+                row["probe_ms"] = median_ms(lambda: eager.verify(request, eager.buffers[trees[1]], tokens), 2, device)
+                del eager
+                record.write()
+                base = schemes["none"].get("probe_ms")
+                if base and row["probe_ms"] > PROBE_LIMIT * base:
+                    row["skipped"] = f"a one-token verify costs {row['probe_ms'] / base:.1f}x bf16's"
+                    continue
+                decoder = _decoder(loaded, drafter, policy, _modes(device)[path], capacity)
+                policy.current = trees[1]
+                ar = decoder.generate(prompt, cfg)
+                row["ar_ms_per_token"] = round(1000 * ar.decode_s / max(1, len(ar.steps)), 3)
+                request = decoder.prefill(prompt, cfg)
+                row["verify_ms"] = {}
+                for n, tree in trees.items():
+                    buffers = decoder.buffers[tree]
+                    tokens = decoder.drafter.draft(buffers, request.root)
+                    row["verify_ms"][n] = median_ms(lambda: decoder.verify(request, buffers, tokens), repeats, device)
+                    record.write()
+                row["peak_gib"] = _peak_gib(device)
+                del decoder
+        except (RuntimeError, ValueError) as exc:  # a kernel this build lacks is a figure too
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        record.write()
+    base = schemes["none"].get("ar_ms_per_token")
+    for row in schemes.values():
+        if base and "ar_ms_per_token" in row:
+            row["ar_x_bf16"] = round(row["ar_ms_per_token"] / base, 3)
+    record.put("ok", True)
+
+
+PROBE_LIMIT = 8  # a quantized scheme slower than this many times bf16 is not worth the budget's seconds
 
 
 if __name__ == "__main__":
