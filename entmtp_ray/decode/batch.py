@@ -66,7 +66,6 @@ class BatchDecoder:
         return sum(f is not None for f in self.flights)
 
     @torch.inference_mode()
-    @torch.inference_mode()
     def admit(self, job: Job) -> GenerationResult | None:
         """Prefill `job` in a free lane (ValueError for a prompt that does not fit). Returns its result when the
         prefill already ended it (EOS, a stop, a one-token limit), else None: it runs with the next steps."""
@@ -81,7 +80,6 @@ class BatchDecoder:
         self.flights[slot] = flight
         return None
 
-    @torch.inference_mode()
     @torch.inference_mode()
     def step(self) -> list[tuple[Job, GenerationResult | BaseException]]:
         """One step of every running request, their trees verified in one forward. Returns the requests that
