@@ -21,7 +21,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import GenerationResult, PendingStep, Request, SpecDecoder, Verified, draft_together
+from entmtp_ray.decode.loop import (GenerationResult, PendingStep, Request, SpecDecoder, Verified, draft_together,
+                                    in_inference_mode)
 from entmtp_ray.model.llama import Rows, forward_hidden_batch
 
 
@@ -65,7 +66,7 @@ class BatchDecoder:
     def running(self) -> int:
         return sum(f is not None for f in self.flights)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def admit(self, job: Job) -> GenerationResult | None:
         """Prefill `job` in a free lane (ValueError for a prompt that does not fit). Returns its result when the
         prefill already ended it (EOS, a stop, a one-token limit), else None: it runs with the next steps."""
@@ -80,7 +81,7 @@ class BatchDecoder:
         self.flights[slot] = flight
         return None
 
-    @torch.inference_mode()
+    @in_inference_mode
     def step(self) -> list[tuple[Job, GenerationResult | BaseException]]:
         """One step of every running request, their trees verified in one forward. Returns the requests that
         finished, with their results (or the exception that ended one: a failure in one request's own phases ends

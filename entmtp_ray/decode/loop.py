@@ -10,6 +10,7 @@ whose `seconds` holds each phase's wall time when the caller asks for a profile.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 import zlib
@@ -23,14 +24,28 @@ from entmtp_ray.config import DecodingConfig
 from entmtp_ray.model.heads import HeadsPlan, HydraHeads
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
-from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan, Projection, prepare
+from entmtp_ray.model.kernels import ModelPlan, Projection, prepare
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import VERIFIER_STATS, Policy, Signal, make_signal
-from entmtp_ray.decode.static import CAPACITY_GRAIN, STATIC_CAPACITY, StaticKVCache, TreeVerifier
+from entmtp_ray.decode.static import (STATIC_CAPACITY, StaticKVCache, TreeVerifier, fitted_capacity,
+                                      positions_needed)
 from entmtp_ray.decode.stop import StopStrings
 from entmtp_ray.decode.tree import Topology, TreeBuffers, build_buffers, chain_topology, load_topology
 
 log = logging.getLogger(__name__)
+
+
+def in_inference_mode(method):
+    """Run `method` under torch.inference_mode (the graphs' inputs are inference tensors, so a caller stepping the
+    decoder itself must not update them outside it), entering it only when the caller is not already inside: the
+    steps call each other every step, and a nested inference_mode costs ~2 us a call."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+    return run
 
 
 @dataclass
@@ -372,7 +387,7 @@ class SpecDecoder:
     def _grow_static(self, need: int) -> None:
         """A request needs `need` positions, more than the static cache holds (a row asking more new tokens than
         the job sized it for): a larger cache, rounded up, and the graphs captured again; once per size."""
-        capacity = min(self.loaded.max_positions, -(-need // CAPACITY_GRAIN) * CAPACITY_GRAIN)
+        capacity = fitted_capacity(need, self.loaded.max_positions)
         log.warning("a request needs %d positions, the static KV cache holds %d: growing it to %d%s", need,
                     self.cache.capacity, capacity, " and capturing the graphs again" if self.graphs else "")
         self._static(capacity)
@@ -425,12 +440,12 @@ class SpecDecoder:
             finish_reason=request.finish, prefill_s=prefill_s, decode_s=decode_s, steps=request.steps,
             schedule_s=request.schedule_s)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def prefill(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None,
                 profile: bool = False) -> Request:
         """The prompt, causally, into a fresh cache; its last logits give the first token (the first root)."""
-        need = len(prompt_ids) + cfg.max_new_tokens + max(self.max_nodes, ONE_TOKEN_ROWS)
-        if self.verifier is not None and need > self.cache.capacity < self.loaded.max_positions:
+        need = positions_needed(len(prompt_ids), cfg.max_new_tokens, self.max_nodes)
+        if self.verifier is not None and self.cache.capacity < min(need, self.loaded.max_positions):
             self._grow_static(need)
         context = self.cache.capacity if self.verifier is not None else self.loaded.max_positions
         capacity = min(context, need)
@@ -454,7 +469,7 @@ class SpecDecoder:
         self.emit(request, [root])
         return request
 
-    @torch.inference_mode()
+    @in_inference_mode
     def step(self, request: Request) -> StepTrace | None:
         """One draft-verify step of a running request: its trace, or None when the context is full."""
         pending = self.draft_step(request)
@@ -464,7 +479,7 @@ class SpecDecoder:
         pending.clock.mark("verify")
         return self.finish_step(request, pending, verified)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def draft_step(self, request: Request) -> PendingStep | None:
         """A step's first phases: choose the tree and draft its tokens below the root (`choose_step`, then the
         drafter). None, with the request finished, when the context is full."""
@@ -487,7 +502,7 @@ class SpecDecoder:
             return None
         return PendingStep(buffers, None, signal, clock)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def finish_step(self, request: Request, pending: PendingStep, verified: Verified) -> StepTrace:
         """A step's phases after its verify forward: accept a path and the token after it, commit it to both
         caches and emit its tokens, then let the policy (and the signal) see the step."""
@@ -536,7 +551,7 @@ class SpecDecoder:
             return buffers
         return self.ar if committed + 1 <= request.capacity else None
 
-    @torch.inference_mode()
+    @in_inference_mode
     def verify(self, request: Request, buffers: TreeBuffers, tokens: torch.Tensor) -> Verified:
         """One forward of the base model over the tree's nodes, and the verifier logits of its logit nodes."""
         committed = self.cache.length

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from entmtp_ray.decode.tree import TreeBuffers
-from entmtp_ray.model.kernels import ModelPlan
+from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import decoder_layer, rotary_tables
 
@@ -32,13 +32,23 @@ STATIC_CAPACITY = 8192
 CAPACITY_GRAIN = 256  # a static cache's positions are a multiple of this: few distinct sizes, a little slack
 
 
+def positions_needed(prompt_tokens: int, new_tokens: int, max_nodes: int) -> int:
+    """Cache positions one request needs: its prompt, its new tokens and the last step's pending block (the largest
+    tree's nodes, or a one-token step's ONE_TOKEN_ROWS copies when more). SpecDecoder.prefill sizes by it too."""
+    return prompt_tokens + new_tokens + max(max_nodes, ONE_TOKEN_ROWS)
+
+
+def fitted_capacity(positions: int, context: int) -> int:
+    """A static cache's size for `positions`: rounded up to CAPACITY_GRAIN, never past the model's context."""
+    return min(context, -(-positions // CAPACITY_GRAIN) * CAPACITY_GRAIN)
+
+
 def static_capacity(max_prompt_tokens: int, max_new_tokens: int, max_nodes: int, context: int) -> int:
-    """Positions a static cache needs for a job: its longest prompt allowed, its new tokens and the largest tree's
-    nodes (the last step's pending block), rounded up to CAPACITY_GRAIN, never past the model's context. Every
-    graphed step attends over the whole capacity, so a cache sized from the job, not the context, is cheaper
-    (Vicuna: 1,400 + 256 + 64 -> 1,792 of 2,048 positions; the embedded model's 8,192 -> 1,792)."""
-    need = max_prompt_tokens + max_new_tokens + max_nodes
-    return min(context, -(-need // CAPACITY_GRAIN) * CAPACITY_GRAIN)
+    """Positions a static cache holds for a job: what its longest prompt allowed needs with its new tokens and
+    largest tree (positions_needed), fitted. Every graphed step attends over the whole capacity, so a cache sized
+    from the job, not the context, is cheaper (Vicuna: 1,400 + 256 + 64 -> 1,792 of 2,048 positions; the embedded
+    model's 8,192 -> 1,792). A request that needs more grows the decoder's cache (SpecDecoder.prefill)."""
+    return fitted_capacity(positions_needed(max_prompt_tokens, max_new_tokens, max_nodes), context)
 
 
 class StaticKVCache(KVCache):
@@ -106,10 +116,10 @@ class TreeVerifier:
     WARMUP = 3  # eager runs on a side stream before a capture, as torch.cuda.graphs asks (lazy inits, autotuning)
 
     def __init__(self, model, plan: ModelPlan, cache: StaticKVCache, trees: list[TreeBuffers], capture: bool):
-        self.model, self.plan, self.cache, self.capture = model, plan, cache, capture
+        self.model, self.plan, self.cache = model, plan, cache
         self.start = torch.zeros(1, dtype=torch.long, device=cache.k.device)
         self.graphs: dict[int, _Graph] = {}
-        self.pool = None
+        self.pool = None  # the graphs' memory pool; None: verifying eagerly (no capture, or a capture failed)
         if capture:
             if cache.k.device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device; run the static verifier with capture off")
@@ -119,7 +129,7 @@ class TreeVerifier:
     def add(self, trees: list[TreeBuffers]) -> None:
         """Capture the verify of trees not captured yet (another policy's, sharing this verifier and its cache:
         SpecDecoder.for_policy), into the same memory pool. Eager verifiers have nothing to capture."""
-        if not self.capture or self.pool is None:
+        if self.pool is None:
             return
         try:
             with torch.inference_mode():  # as the decoder replays them

@@ -327,6 +327,7 @@ def _decoder(loaded, drafter, policy, options: dict, capacity: int):
 
 
 def _capacity(prompt: list[int], new_tokens: int, loaded) -> int:
+    """The static cache a job of `prompt`-long prompts would get, for the largest tree any stage verifies."""
     from entmtp_ray.decode.static import static_capacity
 
     return static_capacity(len(prompt), new_tokens, max(TREE_SIZES), loaded.max_positions)
@@ -448,6 +449,7 @@ def lanes(loaded, drafter, tree, prompt: list[int], cfg, device) -> dict:
     from entmtp_ray.decode.batch import BatchDecoder, Job
     from entmtp_ray.decode.loop import SpecDecoder
     from entmtp_ray.decode.policy import FixedTree
+    from entmtp_ray.model.loading import synchronize
 
     out = {"tree_nodes": tree.num_nodes, "path": "dynamic (eager)", "ms_per_step": {}, "ms_per_request_step": {}}
     base = SpecDecoder(loaded, drafter, FixedTree(tree.name, tree), static=False, graphs=False)  # lanes drop both
@@ -457,8 +459,6 @@ def lanes(loaded, drafter, tree, prompt: list[int], cfg, device) -> dict:
             batch.admit(Job(j, prompt[j:] + prompt[:j], cfg))
         times = []
         while batch.running == k and len(times) < 8:
-            from entmtp_ray.model.loading import synchronize
-
             synchronize(device)
             start = time.perf_counter()
             batch.step()
@@ -551,7 +551,6 @@ def decode_stage(args, device, record: Record) -> None:
     from entmtp_ray.bench.compare import compare_greedy, continuation_logits
     from entmtp_ray.config import DecodingConfig, ModelConfig
     from entmtp_ray.decode.loop import SpecDecoder
-    from entmtp_ray.decode.static import static_capacity
     from entmtp_ray.pipeline.assemble import load_stack, plan
     from entmtp_ray.pipeline.engine import encode_checked
     from entmtp_ray.pipeline.tasks import load_prompts
@@ -581,9 +580,8 @@ def decode_stage(args, device, record: Record) -> None:
             if record.left() < 15:
                 row[mode] = {"skipped": "budget"}
                 continue
-            capacity = static_capacity(max(map(len, prompts)), new_tokens, max(t.num_nodes for t in policy.trees()),
-                                       loaded.max_positions)
-            decoder = SpecDecoder(loaded, stack.drafter if name != "ar" else None, policy, capacity=capacity, **options)
+            decoder = SpecDecoder(loaded, stack.drafter if name != "ar" else None, policy,
+                                  capacity=_capacity(max(prompts, key=len), new_tokens, loaded), **options)
             decoder.generate(prompts[0][:32], cfg.model_copy(update={"max_new_tokens": 8}))  # lazy inits
             results = [decoder.generate(ids, cfg) for ids in prompts]
             tokens = [r.output_token_ids for r in results]
