@@ -15,7 +15,8 @@ import pytest
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.batch import BatchDecoder, Job
-from entmtp_ray.decode.loop import SpecDecoder, row_generator
+from entmtp_ray.decode.acceptance import row_generator
+from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, make_signal
 from entmtp_ray.decode.tree import chain_topology, load_topology, make_topology
 from entmtp_ray.pipeline.engine import Engine

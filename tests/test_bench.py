@@ -99,7 +99,7 @@ def test_engine_step_breakdown_times_every_phase_of_a_tree_step():
     tree, from the decoder's own profile: every phase is timed, and the phases fill the step."""
     from entmtp_ray.calibrate.bank import load_bank
     from entmtp_ray.config import ModelConfig
-    from entmtp_ray.decode.loop import PHASES
+    from entmtp_ray.decode.results import PHASES
     from entmtp_ray.decode.tree import load_topology
     from entmtp_ray.pipeline.assemble import load_stack
 

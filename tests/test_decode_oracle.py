@@ -161,17 +161,19 @@ def test_time_is_split_into_prefill_decode_and_scheduling(loaded, reference, mon
     from itertools import count
     from types import SimpleNamespace
 
-    from entmtp_ray.decode import loop as decoding
+    from entmtp_ray.decode import loop, results
 
     ticks = count(100)
-    monkeypatch.setattr(decoding, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    clock = SimpleNamespace(perf_counter=lambda: float(next(ticks)))
+    monkeypatch.setattr(loop, "time", clock)  # the request's prefill and decode times
+    monkeypatch.setattr(results, "time", clock)  # each step's phase clock
     _, result = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), max_new_tokens=16)
     steps = len(result.steps)
     assert steps == 3
     assert (result.prefill_s, result.schedule_s, result.decode_s) == (1.0, 2.0 * steps, 7.0 * steps + 1)
     assert all(s.seconds == {} for s in result.steps)  # phases are kept only when profiled
     _, profiled = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), max_new_tokens=16, profile=True)
-    assert all(s.seconds == dict.fromkeys(decoding.PHASES, 1.0) for s in profiled.steps)
+    assert all(s.seconds == dict.fromkeys(results.PHASES, 1.0) for s in profiled.steps)
 
 
 def test_a_bank_policy_with_one_tree_traces_its_own_signal(loaded, reference, forced_logits):
@@ -337,7 +339,7 @@ def test_trace_signal_records_the_entropy_a_fixed_tree_would_switch_on(loaded, r
 def test_row_generators_are_pinned_so_a_relabel_reproduces_across_releases():
     """A row's sampling stream depends only on the run seed and the row id, by a fixed formula: the
     same --seed on the same ids draws the same samples in any later release (change it only on purpose)."""
-    from entmtp_ray.decode.loop import row_generator
+    from entmtp_ray.decode.acceptance import row_generator
 
     assert row_generator(123, "q1", "cpu").initial_seed() == 762851491
     assert row_generator(0, "HumanEval/0", "cpu").initial_seed() == 2719863463
@@ -346,7 +348,7 @@ def test_row_generators_are_pinned_so_a_relabel_reproduces_across_releases():
 
 
 def test_result_figures_of_short_and_empty_generations():
-    from entmtp_ray.decode.loop import GenerationResult, StepTrace
+    from entmtp_ray.decode.results import GenerationResult, StepTrace
 
     one = GenerationResult([1], [5, 6], "", "length", prefill_s=0.5, decode_s=0.5, schedule_s=0.0,
                            steps=[StepTrace("t", 3, 1, [], [], signal=0.25)])

@@ -24,9 +24,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from entmtp_ray.decode import acceptance as acceptance
-from entmtp_ray.decode import loop as decoding
+from entmtp_ray.decode import accepting
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.decode.drafting import HydraDrafter
+from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.model.heads import init_heads
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.decode.policy import FixedTree
@@ -224,7 +225,7 @@ def test_the_one_step_test_rejects_a_biased_sampler(crafted_step, biased):
 def test_the_test_rejects_a_biased_sampler(tiny, reference, monkeypatch, biased):
     loaded, drafter = tiny
     probs, tree = reference
-    monkeypatch.setattr(decoding, "exact_accept", biased)
+    monkeypatch.setattr(accepting, "exact_accept", biased)
     assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", load_topology(tree)), "exact"), probs) < ALPHA
 
 

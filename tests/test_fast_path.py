@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from entmtp_ray.decode.loop import HydraDrafter
+from entmtp_ray.decode.drafting import HydraDrafter
 from entmtp_ray.model.heads import DRAFT_VOCAB_FILE, init_heads, load_draft_vocab, save_draft_vocab
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.heads import HeadPlan
@@ -193,7 +193,7 @@ def test_draft_vocab_file_round_trip_and_errors(tmp_path):
 
 
 def test_verifier_stats_match_the_softmax_definition():
-    from entmtp_ray.decode.loop import _verifier_stats, verifier_stat
+    from entmtp_ray.decode.verify import verifier_stat, verifier_stats
 
     logits = 4 * torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = 60.0  # nearly one-hot
@@ -201,7 +201,7 @@ def test_verifier_stats_match_the_softmax_definition():
     logits[3] = 0.0  # uniform
     probs = torch.softmax(logits.double(), -1)
     entropy = -torch.special.xlogy(probs, probs).sum(-1)
-    got_entropy, got_top1 = _verifier_stats(logits)
+    got_entropy, got_top1 = verifier_stats(logits)
     torch.testing.assert_close(torch.tensor(got_entropy, dtype=torch.double), entropy, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.tensor(got_top1, dtype=torch.double), probs.max(-1).values, atol=1e-6, rtol=1e-5)
     assert abs(got_entropy[3] - torch.log(torch.tensor(300.0)).item()) < 1e-4

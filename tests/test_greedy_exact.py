@@ -23,7 +23,8 @@ import torch
 
 from entmtp_ray.decode.acceptance import greedy_up_to_tie
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.decode.drafting import HydraDrafter
+from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.model.loading import draft_vocab_for, load_model, load_model_heads
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import load_topology, make_topology

@@ -58,7 +58,7 @@ def test_trace_signal_records_the_running_entropy_before_each_step(local_dirs):
     """--trace-signal: a fixed tree records the entropy EMA (beta 0.9, from 0) the step was chosen
     under; the per-step accepted lengths sum to the output after the prefill's token; without the
     flag a fixed tree records no signal (and computes no verifier statistic)."""
-    from entmtp_ray.decode.loop import _verifier_stats
+    from entmtp_ray.decode.verify import verifier_stats
 
     model_dir, heads_dir = local_dirs
     model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
@@ -72,7 +72,7 @@ def test_trace_signal_records_the_running_entropy_before_each_step(local_dirs):
     out = row["output_token_ids"]
     with torch.inference_mode():
         logits = traced.loaded.model(torch.tensor([ids + out])).logits[0, len(ids):]  # [tokens, V]
-    entropy = _verifier_stats(logits)[0]  # entropy[i]: after output token i
+    entropy = verifier_stats(logits)[0]  # entropy[i]: after output token i
     want, s, seen = [], 0.0, 0
     for n in lengths:
         want.append(s)

@@ -17,7 +17,8 @@ import torch
 
 from conftest import make_tiny_llama
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.decode.drafting import HydraDrafter
+from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import FixedTree, LadderPolicy, make_signal
 from entmtp_ray.decode.tree import load_topology, make_topology
 from entmtp_ray.model.heads import init_heads

@@ -21,7 +21,8 @@ import torch
 
 from entmtp_ray.decode.acceptance import greedy_up_to_tie
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import GenerationResult, StepTrace, row_generator
+from entmtp_ray.decode.acceptance import row_generator
+from entmtp_ray.decode.results import GenerationResult, StepTrace
 from entmtp_ray.model.kernels import linear
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden

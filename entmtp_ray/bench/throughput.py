@@ -23,7 +23,9 @@ import torch
 from entmtp_ray.bench.compare import Prompt, compare_greedy, continuation_logits, same_model
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.batch import BatchDecoder, Job
-from entmtp_ray.decode.loop import GenerationResult, SpecDecoder, row_generator
+from entmtp_ray.decode.acceptance import row_generator
+from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.decode.results import GenerationResult
 from entmtp_ray.model.loading import LoadedModel, synchronize
 
 OURS = ("ar", "entmtp-star", "entmtp-tau")

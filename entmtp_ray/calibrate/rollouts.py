@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder, _verifier_stats
+from entmtp_ray.decode.drafting import HydraDrafter
+from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.decode.verify import verifier_stats
 from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.kernels import linear
 
@@ -41,7 +43,7 @@ class Rollout:
 def measure_rollout(decoder: SpecDecoder, token_ids: Sequence[int], first: int,
                     max_ranks: Sequence[int]) -> Rollout:
     rows, hidden = _rank_rows(decoder, token_ids, first, max_ranks)
-    entropy, top1 = _verifier_stats(linear(hidden[first:], decoder.loaded.model.lm_head))
+    entropy, top1 = verifier_stats(linear(hidden[first:], decoder.loaded.model.lm_head))
     return Rollout(rows, entropy, top1)
 
 

@@ -10,6 +10,7 @@ result is the accepted node chain, root first; its length is the step's accepted
 from __future__ import annotations
 
 import functools
+import zlib
 
 import torch
 
@@ -212,3 +213,10 @@ def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
 def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """sample_token, read back to the host."""
     return int(sample_token(logits, temperature, generator))
+
+
+def row_generator(seed: int, row_id: str, device) -> torch.Generator:
+    """A generator seeded from the run seed and the row id, so reruns and retries reproduce."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(str(row_id).encode())) % (2**63))
+    return gen

@@ -2,9 +2,8 @@
 
 A `BatchDecoder` holds K lanes (`SpecDecoder.lane`: the same model, heads and tree buffers; a KV cache, drafter
 cache and policy state of each lane's own). A step chooses and drafts each request's tree as its own policy and
-signal say, runs one forward of the base model over all of their nodes (`llama.forward_hidden_batch`: the
-products once over all rows, the attention per request over its own cache) and one projection of all their
-logit rows, then accepts, commits and observes each request on its own. A request that finishes leaves at
+signal say, scores all of their trees in one call of the lanes' verifier (decode/verify.py: the products once
+over all rows, the attention per request over its own cache, one projection of all their logit rows), then accepts, commits and observes each request on its own. A request that finishes leaves at
 once and the next one enters (continuous batching): `run` keeps every lane busy while requests remain.
 
 Each request decodes as it would alone: the same trees, drafts, acceptance and generator draws, and verifier
@@ -21,9 +20,10 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import (GenerationResult, PendingStep, Request, SpecDecoder, Verified, draft_together,
-                                    in_inference_mode)
-from entmtp_ray.model.llama import Rows, forward_hidden_batch
+from entmtp_ray.decode.drafting import draft_together
+from entmtp_ray.decode.loop import SpecDecoder, in_inference_mode
+from entmtp_ray.decode.results import GenerationResult, PendingStep, Request
+from entmtp_ray.decode.verify import Tree, Verified
 
 
 @dataclass
@@ -153,19 +153,10 @@ class BatchDecoder:
             yield from self.step()
 
     def _verify(self, pending: list[tuple[int, PendingStep]]) -> list[Verified]:
-        """Every pending tree in one forward of the base model, and their logit rows in one vocabulary projection."""
-        lanes = [self.lanes[slot] for slot, _ in pending]
+        """Every pending tree scored in one call of the lanes' verifier (one forward of the base model)."""
         plan = self.flights[pending[0][0]].request.plan
-        rows, committed = [], []
-        for lane, (_, step) in zip(lanes, pending):
-            length = lane.cache.length
-            committed.append(length)
-            rows.append(Rows(lane.cache, step.tokens, length + step.buffers.depth_of, step.buffers.tree_mask))
-        hidden = forward_hidden_batch(self.decoder.loaded.model, rows, plan)  # [n_i, H] each
-        picked = [h[step.buffers.logit_nodes] for h, (_, step) in zip(hidden, pending)]
-        logits = plan.lm_head(torch.cat(picked)).split([p.shape[0] for p in picked])
-        return [Verified(step.buffers, step.tokens, length, h, lg)
-                for (_, step), length, h, lg in zip(pending, committed, hidden, logits)]
+        trees = [Tree(self.lanes[slot].cache, step.buffers, step.tokens, plan) for slot, step in pending]
+        return self.lanes[pending[0][0]].verifier(trees)
 
     def _leave(self, slot: int) -> GenerationResult:
         lane, flight = self.lanes[slot], self.flights[slot]

@@ -10,6 +10,7 @@ the tree buffers, and replayed each step: one graph launch in place of some 20 k
 
 The same code runs eagerly on the CPU (capture off), which is how the tests check it; the CPU decoder
 itself keeps the dynamic forward, whose attention reads only the committed prefix (docs/design.md §8).
+`StaticVerifier` is this path's implementation of the verify seam (decode/verify.py), one request a call.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from entmtp_ray.decode.tree import TreeBuffers
+from entmtp_ray.decode.verify import Tree, Verified
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import decoder_layer, rotary_tables
@@ -109,10 +111,11 @@ class _Graph:
     logits: torch.Tensor  # [rows, V]
 
 
-class TreeVerifier:
+class StaticVerifier:
     """The verify forward of each tree on static shapes (hidden states and the logits of its logit nodes),
     replayed from a CUDA graph per tree when `capture`, else run eagerly (the CPU tests)."""
 
+    max_requests = 1  # the verifier's cache is one request's
     WARMUP = 3  # eager runs on a side stream before a capture, as torch.cuda.graphs asks (lazy inits, autotuning)
 
     def __init__(self, model, plan: ModelPlan, cache: StaticKVCache, trees: list[TreeBuffers], capture: bool):
@@ -160,14 +163,19 @@ class TreeVerifier:
             hidden, logits = self._forward(buffers, tokens)
         return _Graph(buffers, graph, tokens, hidden, logits)
 
-    def __call__(self, buffers: TreeBuffers, tokens: torch.Tensor,
-                 committed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [n, H], logits [rows, V]) of the tree's tokens with the root at position `committed`. A
-        replay's outputs are the graph's own tensors: read them before the same tree is verified again."""
+    def __call__(self, trees: list[Tree]) -> list[Verified]:
+        """The one tree's verify over this verifier's cache, its root at the cache's length. A replay's outputs
+        are the graph's own tensors: read them before the same tree is verified again."""
+        if len(trees) != 1 or trees[0].cache is not self.cache:
+            raise ValueError("a static verifier scores one request's tree over its own cache a call")
+        buffers, tokens = trees[0].buffers, trees[0].tokens
+        committed = self.cache.length
         self.start.fill_(committed)  # a kernel that writes the value: no read-back
         graph = self.graphs.get(id(buffers))
         if graph is None:
-            return self._forward(buffers, tokens)
-        graph.tokens.copy_(tokens)
-        graph.graph.replay()
-        return graph.hidden, graph.logits
+            hidden, logits = self._forward(buffers, tokens)
+        else:
+            graph.tokens.copy_(tokens)
+            graph.graph.replay()
+            hidden, logits = graph.hidden, graph.logits
+        return [Verified(buffers, tokens, committed, hidden, logits)]

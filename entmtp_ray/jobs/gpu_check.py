@@ -228,7 +228,7 @@ def random_stack(shape: dict, dtype, device, seed: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from entmtp_ray.decode.loop import HydraDrafter
+    from entmtp_ray.decode.drafting import HydraDrafter
     from entmtp_ray.model.heads import init_heads
     from entmtp_ray.model.loading import LoadedModel
 

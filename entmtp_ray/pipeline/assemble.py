@@ -14,7 +14,8 @@ from entmtp_ray.assets import shipped_bank
 from entmtp_ray.calibrate.bank import (BANK_POLICIES, Bank, bank_policy, current_hardware, load_bank,
                                        resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.decode.loop import HydraDrafter, SpecDecoder
+from entmtp_ray.decode.drafting import HydraDrafter
+from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import POLICIES, Policy, make_policy
 from entmtp_ray.decode.static import static_capacity
 from entmtp_ray.decode.tree import make_topology

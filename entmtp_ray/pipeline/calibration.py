@@ -29,7 +29,7 @@ from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout
 from entmtp_ray.calibrate.sweep import candidate_trees, choose_policies, replay_all
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.batch import BatchDecoder, Job
-from entmtp_ray.decode.loop import row_generator
+from entmtp_ray.decode.acceptance import row_generator
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology
 from entmtp_ray.pipeline.engine import Engine

@@ -20,7 +20,9 @@ from pydantic import ValidationError
 from entmtp_ray.calibrate.bank import Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.batch import BatchDecoder, Job
-from entmtp_ray.decode.loop import GenerationResult, SpecDecoder, row_generator
+from entmtp_ray.decode.acceptance import row_generator
+from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.decode.results import GenerationResult
 from entmtp_ray.model.loading import LoadedModel
 from entmtp_ray.pipeline.assemble import Stack, fallback_warning, load_stack, plan, warn_if_bank_elsewhere
 from entmtp_ray.pipeline.records import RowContext, error_row, result_row

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import GenerationResult
+from entmtp_ray.decode.results import GenerationResult
 
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()),
