@@ -181,3 +181,22 @@ def test_verify_costs_under_each_weight_scheme(tiny_model_dirs, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["verify_ms"]) == {"none", "int4"}
     assert all(set(costs) == {"ar", "chain3"} and min(costs.values()) > 0 for costs in summary["verify_ms"].values())
+
+
+def test_tree_costs_time_every_size_through_the_verifier_with_the_weight_read_floor(tiny_model_dirs, capsys):
+    """jobs/bench_engine.py --tree-costs (without llama.cpp, which CI does not build): verify ms of a tree of each
+    size through the decoder's own verifier, and the weights' bytes and read time beside them."""
+    from types import SimpleNamespace
+
+    from entmtp_ray.decode.tree import build_buffers
+    from entmtp_ray.model.loading import load_model
+
+    trees = bench_engine.sized_trees()
+    assert [build_buffers(t).num_nodes for t in trees.values()] == list(bench_engine.TREE_SIZES)
+    loaded = load_model(str(tiny_model_dirs[0]), dtype="fp32", device="cpu")
+    assert bench_engine.tree_costs(SimpleNamespace(loaded=loaded), loaded.encode_prompt("Hello there"), False, 2) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(summary["verify_ms"]) == ["ours"]
+    assert [int(n) for n in summary["verify_ms"]["ours"]] == list(bench_engine.TREE_SIZES)
+    assert min(summary["verify_ms"]["ours"].values()) > 0 and summary["weight_read_ms"] > 0
+    assert summary["weight_bytes"] == sum(p.numel() * p.element_size() for p in loaded.model.parameters())

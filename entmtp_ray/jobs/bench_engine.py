@@ -5,6 +5,7 @@ per-step cost of each phase of the decode loop, and the cost of verifying n tree
     python jobs/bench_engine.py --dtype bf16 --threads 2 --trees ar gsm8k-n5 hydra --bank banks/smollm2-135m-instruct/gsm8k.json
     python jobs/bench_engine.py --dtype bf16 --threads 2 --quantize none int8 int4 --trees ar gsm8k-n3 gsm8k-n5 \
         --bank entmtp_ray/assets/banks/smollm2-135m-instruct/gsm8k.json   # verify cost per tree under each scheme
+    python jobs/bench_engine.py --threads 2 --tree-costs --llama-cpp   # verify ms by tree size, ours beside llama.cpp's
 
 Everything is measured side by side in one process, interleaved per prompt, medians over
 repeats. The last stdout line is a JSON summary.
@@ -22,13 +23,16 @@ import torch
 
 from entmtp_ray.calibrate.bank import load_bank
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.decode.loop import PHASES, SpecDecoder
+from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.decode.results import PHASES
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology, build_buffers, load_topology, make_topology
+from entmtp_ray.decode.verify import Tree
+from entmtp_ray.bench.compare import weight_read_seconds
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.kernels import linear, quantize_model
-from entmtp_ray.model.loading import synchronize
+from entmtp_ray.model.loading import embedded_source, synchronize
 from entmtp_ray.model.quant import SCHEMES
 from entmtp_ray.pipeline.assemble import load_stack
 
@@ -101,6 +105,93 @@ def verify_cost(loaded, prompt_ids, trees, repeats=10):
     return costs
 
 
+TREE_SIZES = (1, 2, 4, 8, 16, 64)
+
+
+def sized_trees(sizes=TREE_SIZES) -> dict[int, Topology]:
+    """A tree of each size: the one-node tree, and the first n - 1 paths of Hydra's 64-node tree (prefix closed)."""
+    hydra = load_topology("hydra")
+    return {n: load_topology("ar") if n == 1 else make_topology(hydra.paths[:n - 1], f"hydra{n}") for n in sizes}
+
+
+def seam_costs(decoder: SpecDecoder, prompt_ids: list[int], trees: dict[int, Topology], repeats: int) -> dict[int, float]:
+    """Median ms of one verify of each tree through the decoder's verifier (the forward and the scored nodes'
+    logits, as a step runs it), the prompt committed; nothing is kept, so every repeat sees the same prefix."""
+    loaded = decoder.loaded
+    with torch.inference_mode():
+        request = decoder.prefill(prompt_ids, DecodingConfig(policy="ar", max_new_tokens=max(trees)))  # room: n rows
+        costs = {}
+        for n, topology in trees.items():
+            buffers = build_buffers(topology, loaded.device, decoder.leaf_logits)
+            tokens = torch.randint(0, loaded.model.config.vocab_size, (n,), device=loaded.device)
+            tree = Tree(decoder.cache, buffers, tokens, request.plan)
+            decoder.verifier([tree])  # lazy inits
+            times = []
+            for _ in range(repeats):
+                synchronize(loaded.device)
+                start = time.perf_counter()
+                decoder.verifier([tree])
+                synchronize(loaded.device)
+                times.append(time.perf_counter() - start)
+            costs[n] = 1e3 * statistics.median(times)
+    return costs
+
+
+class LlamaCppRows:
+    """llama.cpp's decode of n new tokens after a committed prompt, logits on for every row (as a tree verify
+    needs them), through llama-cpp-python's own batch and context objects (pinned 0.3.36: `_batch`, `_ctx`). The n
+    tokens run as one causal sequence: a tree's mask changes which keys each row sees, not the products' rows."""
+
+    def __init__(self, threads: int, prompt_ids: list[int]):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(embedded_source()), n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                         n_batch=512, logits_all=True, verbose=False)
+        self.llm.eval(prompt_ids)
+        self.committed = self.llm.n_tokens
+
+    def cost(self, n: int, repeats: int) -> float:
+        llm, times = self.llm, []
+        tokens = torch.randint(0, llm.n_vocab(), (n,)).tolist()
+        for _ in range(repeats + 1):  # the first: lazy inits
+            llm._batch.set_batch(batch=tokens, n_past=self.committed, logits_all=True)
+            start = time.perf_counter()
+            llm._ctx.decode(llm._batch)
+            times.append(time.perf_counter() - start)
+            llm._ctx.kv_cache_seq_rm(-1, self.committed, -1)
+        return 1e3 * statistics.median(times[1:])
+
+
+def tree_costs(stack, prompt_ids: list[int], with_llama_cpp: bool, repeats: int) -> int:
+    """Print (and end with a JSON line of) verify ms by tree size through our verifier, and llama.cpp's decode of
+    as many rows beside it: rounds of both in turn, medians over the rounds; with the weight-read floor."""
+    loaded, trees = stack.loaded, sized_trees()
+    decoder = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))
+    peer = LlamaCppRows(torch.get_num_threads(), prompt_ids) if with_llama_cpp else None
+    rounds = defaultdict(list)
+    for _ in range(repeats):
+        for n, ms in seam_costs(decoder, prompt_ids, trees, 5).items():
+            rounds["ours", n].append(ms)
+        if peer is not None:
+            for n in trees:
+                rounds["llama.cpp", n].append(peer.cost(n, 5))
+    systems = ["ours"] + (["llama.cpp"] if peer is not None else [])
+    costs = {system: {n: statistics.median(rounds[system, n]) for n in trees} for system in systems}
+    weight_bytes, floor_s = weight_read_seconds(loaded)
+    print(f"weights {weight_bytes / 1e6:.0f} MB read once in {1e3 * floor_s:.2f} ms "
+          f"({weight_bytes / floor_s / 1e9:.1f} GB/s): one-token verify {costs['ours'][1] / (1e3 * floor_s):.2f}x it")
+    print("| system | n=1 ms | " + " | ".join(f"n={n}" for n in list(trees)[1:]) + " |")
+    print("|---|---:|" + "---:|" * (len(trees) - 1))
+    for system in systems:
+        one = costs[system][1]
+        print(f"| {system} | {one:.2f} | " + " | ".join(f"{costs[system][n] / one:.2f}x" for n in list(trees)[1:])
+              + " |")
+    print(json.dumps({"verify_ms": costs, "weight_bytes": weight_bytes, "weight_read_ms": 1e3 * floor_s,
+                      "dtype": str(loaded.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                      "repeats": repeats}))
+    return 0
+
+
 def scheme_costs(loaded, prompt_ids, trees: dict[str, Topology], schemes: list[str], repeats: int) -> int:
     """Print (and end with a JSON line of) each tree's verify ms under each scheme: rounds of every scheme in
     turn, so that the machine's drift falls on all alike; medians over the rounds."""
@@ -129,7 +220,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts-file", default="examples/bench_prompts.jsonl")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--device", default="auto", help="cpu | cuda[:N] | auto (inputs go to the model's device, and "
                         "every clock is read after the device has finished)")
@@ -141,7 +232,15 @@ def main(argv=None) -> int:
     parser.add_argument("--quantize", nargs="+", default=None, choices=list(SCHEMES),
                         help="instead of the rest: the verify cost of each --trees tree under each weight scheme, "
                         "the schemes interleaved over --repeats rounds (medians)")
+    parser.add_argument("--tree-costs", action="store_true",
+                        help="instead of the rest: verify ms by tree size (1-64 nodes) through the decoder's verifier, "
+                        "with the weight-read floor, over --repeats interleaved rounds")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="with --tree-costs: llama.cpp's decode of as many rows on the embedded GGUF beside ours "
+                        "(needs llama-cpp-python: pip install -e .[llamacpp])")
     args = parser.parse_args(argv)
+    if args.llama_cpp and not args.tree_costs:
+        parser.error("--llama-cpp goes with --tree-costs")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -157,6 +256,8 @@ def main(argv=None) -> int:
     loaded = stack.loaded
     with open(args.prompts_file) as f:
         prompts = [loaded.encode_prompt(json.loads(line)["prompt"]) for line in f if line.strip()]
+    if args.tree_costs:
+        return tree_costs(stack, prompts[0], args.llama_cpp, args.repeats)
     if args.quantize:
         trees = {name: bank.topology(name) if name in names else load_topology(name) for name in args.trees}
         return scheme_costs(loaded, prompts[0], trees, args.quantize, args.repeats)
