@@ -134,7 +134,8 @@ class InputConfig(BaseModel):
                                 "(s3://, gs://, hf://datasets/...), or a hub dataset id; with a task, these rows "
                                 "formatted as the task formats its own (GSM8K: its 'question' column)")
     split: str = Field("test", description="split for hub datasets")
-    prompt_column: str = Field("prompt", description="column holding the user message")
+    prompt_column: str | None = Field(None, description="column holding the user message (with --task gsm8k: the "
+                                      "question the task formats); default 'prompt', or GSM8K's 'question'")
     id_column: str | None = Field(None, description="unique id column; absent -> ids from each row's file and "
                                   "position (README: row ids)")
     messages_column: str | None = Field(None, description="column of chat turns ({role, content} or "

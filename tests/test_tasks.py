@@ -28,6 +28,23 @@ def test_gsm8k_from_local_copy(gsm8k_path):
     assert first["answer"].endswith("#### 72") and "question" not in table.column_names
 
 
+def test_the_prompt_column_a_user_names_is_the_question_a_task_formats(tmp_path):
+    """--task gsm8k --dataset F --prompt-column text: the named column is the question (the task still chooses the
+    formatting and the bank); without it the error names both ways out."""
+    records = [json.loads(line) for line in GSM8K.read_text().splitlines()[:3]]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"uid": f"q{i}", "text": r["question"], "keep_me": i}) + "\n"
+                            for i, r in enumerate(records)))
+    table = load_prompts("gsm8k", str(path), prompt_column="text", id_column="uid")
+    assert table.column("id").to_pylist() == ["q0", "q1", "q2"]
+    assert table.column("prompt").to_pylist() == load_prompts("gsm8k", str(GSM8K)).column("prompt").to_pylist()[:3]
+    assert "text" not in table.column_names and "keep_me" in table.column_names
+    with pytest.raises(ValueError, match=r"no column 'question'.*--prompt-column NAME.*a GSM8K file with a 'question'"):
+        load_prompts("gsm8k", str(path))
+    with pytest.raises(ValueError, match=r"no column 'texts'.*--prompt-column NAME"):
+        load_prompts("gsm8k", str(path), prompt_column="texts")
+
+
 def test_limit_sample_is_deterministic_and_seeded(gsm8k_path):
     a = load_prompts("gsm8k", gsm8k_path, limit=20, seed=123).column("id").to_pylist()
     b = load_prompts("gsm8k", gsm8k_path, limit=20, seed=123).column("id").to_pylist()

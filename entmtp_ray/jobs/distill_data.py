@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", choices=sorted(TASKS))
     p.add_argument("--dataset", help="local file or hub id (with --task gsm8k: a GSM8K copy)")
-    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--prompt-column", default=None, help="default 'prompt' (GSM8K: 'question')")
     p.add_argument("--split", default="train")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--match", default=None, help="only prompts this regular expression finds (case-insensitive), "

