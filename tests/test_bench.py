@@ -68,8 +68,8 @@ def test_tiny_bench_of_every_system(tmp_path, capsys):
 def test_bench_config_errors_fail_before_any_work(tmp_path, capsys):
     rc = bench_job.main(["--dataset", str(tmp_path / "missing.jsonl"), "--systems", "entmtp-tau",
                          "--output", str(tmp_path / "out")])
-    assert rc == 2
-    assert "--task or --bank" in capsys.readouterr().err
+    assert rc == 2  # with no task the entmtp systems read the general bank (as a job does); the missing file stops it
+    assert "missing.jsonl: no such file or directory" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     rc = bench_job.main(["--task", "gsm8k", "--systems", "entmtp-tau", "--also-bank", "general",
                          "--output", str(tmp_path / "out")])
@@ -200,3 +200,23 @@ def test_tree_costs_time_every_size_through_the_verifier_with_the_weight_read_fl
     assert [int(n) for n in summary["verify_ms"]["ours"]] == list(bench_engine.TREE_SIZES)
     assert min(summary["verify_ms"]["ours"].values()) > 0 and summary["weight_read_ms"] > 0
     assert summary["weight_bytes"] == sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+
+
+@pytest.mark.slow
+def test_the_bench_resolves_the_entmtp_bank_as_a_job_does(tmp_path, capsys):
+    """No --task: the entmtp systems run the model's general bank, as the job's default policy would, and each row
+    names it; --bank auto (a job's calibration) is refused with the way to bench what it wrote."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": "Name three colours."}) + "\n")
+    out = tmp_path / "bench"
+    rc = bench_job.main(["--dataset", str(chat), "--max-new-tokens", "6", "--threads", "2", "--temperatures", "0",
+                         "--systems", "ar", "entmtp-tau", "--output", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout[-3000:]
+    rows = {r["policy"]: r for r in pq.read_table(out / "rows").to_pylist()}
+    general = str(shipped_bank("smollm2-135m-instruct", "general"))
+    assert rows["entmtp-tau"]["bank"] == general and rows["ar"]["bank"] is None
+    assert rows["entmtp-tau"]["matches_ar"] in ("equal", "tie")
+    rc = bench_job.main(["--dataset", str(chat), "--bank", "auto", "--systems", "ar", "entmtp-tau",
+                         "--output", str(tmp_path / "auto")])
+    assert rc == 2 and "--bank auto is calibrated by the generation job" in capsys.readouterr().err

@@ -41,7 +41,7 @@ from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL, DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.loading import available_depth, draft_vocab_for
-from entmtp_ray.pipeline.assemble import BANK_POLICIES, load_stack, policy_for
+from entmtp_ray.pipeline.assemble import AUTO_BANK, BANK_POLICIES, load_stack, policy_for, resolve_policy
 from entmtp_ray.pipeline.engine import encode_checked
 from entmtp_ray.pipeline.tasks import load_prompts
 
@@ -72,6 +72,25 @@ def parse(argv):
     return p, p.parse_args(argv)
 
 
+def bench_bank(model_cfg: ModelConfig, task: str | None, bank: str | None) -> Path | None:
+    """The bank the entmtp systems read, resolved as a job resolves its default policy (assemble.resolve_policy):
+    --bank FILE, else the bank shipped for the model and --task, else (no task) the model's general bank. None:
+    the model has no shipped bank to read. --bank auto is a job's calibration, which the bench does not run."""
+    if bank == AUTO_BANK:
+        raise ValueError("--bank auto is calibrated by the generation job on its own prompts, not by the bench: run "
+                         "jobs/generate.py --bank auto, then bench the bank it wrote with --bank "
+                         "<output>/_banks/<key>/bank.json (or compare it beside the default with --also-bank auto=FILE)")
+    resolved = resolve_policy(model_cfg, DecodingConfig(task=task, bank=bank))
+    if resolved.bank == AUTO_BANK:
+        return None
+    return resolve_bank_path(model_cfg.model, task, resolved.bank)
+
+
+def no_bank_error(model: str) -> ValueError:
+    return ValueError(f"the entmtp-* systems read a topology bank and none ships for --model {model}: pass --bank "
+                      "FILE (jobs/build_bank.py builds one), or drop them from --systems")
+
+
 def choose_systems(requested, model: str, bank_path: Path | None) -> list[str]:
     if requested is None:
         systems = [s for s in SYSTEMS if s not in BANK_POLICIES or bank_path is not None]
@@ -97,11 +116,13 @@ def main(argv=None) -> int:
         model_cfg = config_from_args(ModelConfig, args)
         wants_bank = args.systems is None or any(s in BANK_POLICIES for s in args.systems)
         bank_path = bank = None
-        if wants_bank and (args.task or args.bank):
-            bank_path = resolve_bank_path(model_cfg.model, args.task, args.bank)
-            bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name)
-        elif args.systems is not None and wants_bank:
-            raise ValueError("the entmtp-* systems need a topology bank: pass --task or --bank")
+        if wants_bank:
+            bank_path = bench_bank(model_cfg, args.task, args.bank)
+            if bank_path is not None:
+                bank = load_bank(bank_path, available_depth(model_cfg.model, model_cfg.heads),
+                                 Path(model_cfg.model).name)
+            elif args.systems is not None:
+                raise no_bank_error(model_cfg.model)
         if "hf-continuous" in (args.systems or []):
             raise ValueError("--systems hf-continuous runs in throughput mode only: add --concurrent-requests K ...")
         systems = choose_systems(args.systems, model_cfg.model, bank_path)
@@ -194,8 +215,10 @@ def throughput_main(args) -> int:
         depth, name = available_depth(model_cfg.model, model_cfg.heads), Path(model_cfg.model).name
         banks = {}
         if any(s.startswith("entmtp") for s in systems):
-            default = resolve_bank_path(model_cfg.model, args.task, args.bank)
-            banks = {k: (load_bank(default, depth, name), default) for k in ks}
+            default = bench_bank(model_cfg, args.task, args.bank)
+            if default is None:
+                raise no_bank_error(model_cfg.model)
+            banks = {k: (load_bank(default, depth, name), str(default)) for k in ks}
             for spec in args.bank_at:
                 k, sep, file = spec.partition("=")
                 if not sep or not k.isdigit() or int(k) not in ks:
