@@ -3,8 +3,9 @@
 A `BatchDecoder` holds K lanes (`SpecDecoder.lane`: the same model, heads and tree buffers; a KV cache, drafter
 cache and policy state of each lane's own). A step chooses and drafts each request's tree as its own policy and
 signal say, scores all of their trees in one call of the lanes' verifier (decode/verify.py: the products once
-over all rows, the attention per request over its own cache, one projection of all their logit rows), then accepts, commits and observes each request on its own. A request that finishes leaves at
-once and the next one enters (continuous batching): `run` keeps every lane busy while requests remain.
+over all rows, the attention per request over its own cache, one projection of all their logit rows), then accepts, commits and observes each request on its own. A
+request that finishes leaves at once and the next one enters (continuous batching): `run` keeps every lane busy
+while requests remain.
 
 Each request decodes as it would alone: the same trees, drafts, acceptance and generator draws, and verifier
 logits that differ from its lone run only where a product rounds a row differently beside other rows

@@ -79,7 +79,8 @@ def bench_bank(model_cfg: ModelConfig, task: str | None, bank: str | None) -> Pa
     if bank == AUTO_BANK:
         raise ValueError("--bank auto is calibrated by the generation job on its own prompts, not by the bench: run "
                          "jobs/generate.py --bank auto, then bench the bank it wrote with --bank "
-                         "<output>/_banks/<key>/bank.json (or compare it beside the default with --also-bank auto=FILE)")
+                         "<output>/_banks/<key>/bank.json (or compare it beside the default with "
+                         "--also-bank auto=FILE)")
     resolved = resolve_policy(model_cfg, DecodingConfig(task=task, bank=bank))
     if resolved.bank == AUTO_BANK:
         return None

@@ -114,7 +114,8 @@ def sized_trees(sizes=TREE_SIZES) -> dict[int, Topology]:
     return {n: load_topology("ar") if n == 1 else make_topology(hydra.paths[:n - 1], f"hydra{n}") for n in sizes}
 
 
-def seam_costs(decoder: SpecDecoder, prompt_ids: list[int], trees: dict[int, Topology], repeats: int) -> dict[int, float]:
+def seam_costs(decoder: SpecDecoder, prompt_ids: list[int], trees: dict[int, Topology],
+               repeats: int) -> dict[int, float]:
     """Median ms of one verify of each tree through the decoder's verifier (the forward and the scored nodes'
     logits, as a step runs it), the prompt committed; nothing is kept, so every repeat sees the same prefix."""
     loaded = decoder.loaded

@@ -95,7 +95,8 @@ def check_columns(spec: PromptSpec, columns: list[str]) -> None:
     where = spec.uri or spec.task
     prompt_flag = "--prompt-column NAME" if spec.task != "gsm8k" else \
         "--prompt-column NAME (the column of questions) or a GSM8K file with a 'question' column"
-    wanted = [(spec.messages_column, "--messages-column")] if spec.messages_column else [(spec.prompt_column, prompt_flag)]
+    wanted = [(spec.messages_column, "--messages-column")] if spec.messages_column else \
+        [(spec.prompt_column, prompt_flag)]
     if spec.id_column:
         wanted.append((spec.id_column, "--id-column (or drop it to get ids from row positions)"))
     for column, flag in wanted:
