@@ -9,6 +9,8 @@ nothing about heads, trees or acceptance.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,33 @@ import torch.nn.functional as F
 
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, LayerPlan, ModelPlan, prepare
 from entmtp_ray.model.kv_cache import KVCache
+
+
+# A probe sees the output of every operation of the forwards run inside `probed`: probe(layer, op, rows [r, F]),
+# layer -1 for the embedding and len(layers) for the final norm (jobs/first_parting.py compares two forwards op by op).
+Probe = Callable[[int, str, torch.Tensor], None]
+_probe: Probe | None = None
+
+
+@contextmanager
+def probed(probe: Probe) -> Iterator[None]:
+    """Run the forwards inside with `probe` called on each operation's output (OPERATIONS, in order)."""
+    global _probe
+    previous, _probe = _probe, probe
+    try:
+        yield
+    finally:
+        _probe = previous
+
+
+# What a probe sees, in the order a forward computes it: a layer's operations between "embed" and "final_norm".
+OPERATIONS = ("input_norm", "qkv", "rotary", "attention", "o_proj", "residual", "post_norm", "gate_up", "act_mul",
+              "down", "output")
+
+
+def _seen(layer: int, op: str, rows: torch.Tensor) -> None:
+    if _probe is not None:
+        _probe(layer, op, rows)
 
 
 def rotary(rotary_emb: torch.nn.Module, like: torch.Tensor, positions: torch.Tensor):
@@ -78,7 +107,10 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
     row of x (M < N), and the output has x's rows."""
     p = plan or LayerPlan.of(layer)
     hd, heads, kv_heads = p.head_dim, p.heads, p.kv_heads
-    qkv = p.qkv(p.input_norm(x)[0])  # [M, (heads + 2kv) * hd]
+    normed = p.input_norm(x)[0]  # [M, H]
+    qkv = p.qkv(normed)  # [M, (heads + 2kv) * hd]
+    _seen(layer_index, "input_norm", normed)
+    _seen(layer_index, "qkv", qkv)
     if expand is not None:
         qkv = qkv.index_select(0, expand)
     n = qkv.shape[0]
@@ -86,6 +118,7 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
     cos, signed_sin = tables  # [1, n, hd] each
     qk = qkv[:heads + kv_heads]
     qk = qk * cos + qk.roll(hd // 2, -1) * signed_sin  # rotary on q and k at once
+    _seen(layer_index, "rotary", qk.transpose(0, 1).reshape(n, -1))
     outs = []
     for part in parts:
         rows, m = slice(part.start, part.end), part.end - part.start
@@ -99,9 +132,24 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
         out = out.view(heads, m, hd).transpose(0, 1)
         # a copy sees only the prefix and itself: the first row is the token's (the others equal it)
         outs.append(out[:1].reshape(1, -1) if part.copies else out.reshape(m, -1))
-    x = x + p.o((outs[0] if len(outs) == 1 else torch.cat(outs))[None])
-    gate, up = p.gate_up(p.post_attention_norm(x)).chunk(2, dim=-1)  # [1, M, I] each
-    return x + p.down(p.act(gate) * up)
+    attended = outs[0] if len(outs) == 1 else torch.cat(outs)  # [M, heads * hd]
+    projected = p.o(attended[None])  # [1, M, H]
+    x = x + projected
+    _seen(layer_index, "attention", attended)
+    _seen(layer_index, "o_proj", projected[0])
+    _seen(layer_index, "residual", x[0])
+    normed = p.post_attention_norm(x)
+    fused = p.gate_up(normed)  # [1, M, 2I]
+    gate, up = fused.chunk(2, dim=-1)  # [1, M, I] each
+    mixed = p.act(gate) * up
+    down = p.down(mixed)
+    _seen(layer_index, "post_norm", normed[0])
+    _seen(layer_index, "gate_up", fused[0])
+    _seen(layer_index, "act_mul", mixed[0])
+    _seen(layer_index, "down", down[0])
+    x = x + down
+    _seen(layer_index, "output", x[0])
+    return x
 
 
 def forward_hidden(model, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -156,7 +204,10 @@ def forward_hidden_batch(model, requests: list[Rows], plan: ModelPlan | None = N
     positions = positions[0] if len(positions) == 1 else torch.cat(positions)
     expand = None if compact == start else torch.tensor(expand, device=device)
     x = base.embed_tokens(tokens)[None]  # [1, M, H]
+    _seen(-1, "embed", x[0])
     tables = rotary_tables(base.rotary_emb, x, positions)
     for i, (layer, layer_plan) in enumerate(zip(base.layers, plan.layers)):
         x = decoder_layer_parts(layer, x, tables, parts, i, layer_plan, expand)
-    return list(plan.norm(x)[0].split(rows))  # [n_i, H] each
+    x = plan.norm(x)[0]  # [M, H]
+    _seen(len(plan.layers), "final_norm", x)
+    return list(x.split(rows))  # [n_i, H] each
