@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
@@ -90,13 +91,45 @@ def test_job_writes_every_row_once_with_stats_and_input_columns(tiny_model_dirs,
     assert set(OUTPUT_COLUMNS) <= set(rows[0]) and {"label"} <= set(rows[0])
     for i in range(6):
         row = by_id[f"q{i}"]
-        assert row["error"] is None and row["label"] == str(i) and row["prompt"] == f"Write item number {i} of a list."
+        assert row["error"] is None and row["label"] == i and row["prompt"] == f"Write item number {i} of a list."
         assert row["num_output_tokens"] == len(row["output_token_ids"]) > 0
         assert row["policy"] == "hydra" and dict(row["tree_usage"]) == {"hydra": row["steps"]}
         assert len(row["accepted_per_position"]) == 4 and row["tokens_per_s"] > 0 and row["actor_id"]
     assert "empty prompt" in by_id["empty"]["error"]
-    assert "must be a string" in by_id["number"]["error"] and by_id["number"]["label"] == "-2"  # JSON lines columns come back as text
+    assert "must be a string" in by_id["number"]["error"] and by_id["number"]["label"] == -2
+    labels = pd.read_parquet(tmp_path / "out")["label"]  # an integer input column comes back an integer
+    assert str(labels.dtype) == "int64" and sorted(labels) == [-3, -2, -1, 0, 1, 2, 3, 4, 5]
     assert "--max-input-tokens" in by_id["long"]["error"]
+
+
+@pytest.mark.slow
+def test_every_record_is_counted_an_unreadable_line_and_a_typed_column_included(tiny_model_dirs, tmp_path):
+    """9 JSON lines, one of them not UTF-8 and one a number where the prompt goes: 9 rows, input_rows 9; a column
+    that is an int for CHUNK_ROWS + 1 lines and then a string comes back text in every file, with a warning."""
+    from entmtp_ray.pipeline.sources import CHUNK_ROWS
+
+    lines = [json.dumps({"uid": f"q{i}", "text": f"Say {i}.", "n": i}).encode() for i in range(9)]
+    lines[3] = b'{"uid": "q3", "text": "caf\xe9 \xff"}'
+    lines[5] = json.dumps({"uid": "q5", "text": 5, "n": 5}).encode()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "messy.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (data / "long.jsonl").write_text("".join(json.dumps({"uid": f"l{i}", "text": "Hi.", "n": i}) + "\n"
+                                             for i in range(CHUNK_ROWS + 1)) + json.dumps(
+        {"uid": "last", "text": "Hi.", "n": "many"}) + "\n")
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "ar", "--max-new-tokens", "1",
+                            "--max-actors", "2"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    total = 9 + CHUNK_ROWS + 2
+    assert summary["rows"] == summary["input_rows"] == total and summary["duplicates"] == 0
+    assert "column 'n' holds int values, then string at long.jsonl line 4098" in proc.stderr
+    assert pads.dataset(str(tmp_path / "out"), format="parquet").schema.field("n").type == pa.string()
+    frame = pd.read_parquet(tmp_path / "out")
+    assert len(frame) == total
+    by_id = frame.set_index("id")
+    assert "not valid Unicode" in by_id.loc["messy.jsonl:line-4", "error"]
+    assert by_id.loc["q5", "n"] == "5" and by_id.loc["last", "n"] == "many"
 
 
 @pytest.mark.slow

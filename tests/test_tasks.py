@@ -81,8 +81,8 @@ def test_user_dataset_formats_keep_columns(tmp_path, fmt):
     table = load_prompts(None, str(path), prompt_column="question", id_column="key")
     out = table.to_pylist()
     assert [r["id"] for r in out] == [f"k{i}" for i in range(5)]
-    # Parquet keeps its types; JSON lines and CSV columns are text (a stream cannot fix their types)
-    assert out[3]["prompt"] == "What is 3+3?" and out[3]["meta"] == (3 if fmt == "parquet" else "3")
+    # every format keeps its types (JSON lines and CSV: one scan of every value first)
+    assert out[3]["prompt"] == "What is 3+3?" and out[3]["meta"] == 3
     assert "question" not in table.column_names and "key" not in table.column_names
 
 
@@ -211,17 +211,58 @@ def test_any_fsspec_filesystem_reads_through_the_same_path():
         memory.rm("/entmtp-test", recursive=True)
 
 
-def test_json_and_csv_columns_are_text_whatever_their_values_so_chunks_never_clash(tmp_path):
-    """A JSON field that is a number in one line and a string in another, thousands of lines apart (another
-    chunk), or nested, comes back as text in every chunk: Ray joins blocks of one schema."""
+def _typed_columns(tmp_path):
+    """A JSON lines file, and a CSV file, of CHUNK_ROWS + 1,000 records whose columns are int, float, bool,
+    null-then-int, nested, and an int for 5,000 lines then a string: their paths and the records."""
     from entmtp_ray.pipeline.sources import CHUNK_ROWS
 
-    path = tmp_path / "mixed.jsonl"
-    values = [7] * CHUNK_ROWS + ["seven", {"n": 7}, [7], True, None, 7.5]
-    path.write_text("".join(json.dumps({"prompt": "p", "meta": v}) + "\n" for v in values))
-    table = load_prompts(None, str(path))
-    assert table.schema.field("meta").type == pa.string()
-    assert table.column("meta").to_pylist()[-7:] == ["7", "seven", '{"n": 7}', "[7]", "true", None, "7.5"]
-    csv_path = tmp_path / "mixed.csv"
-    csv_path.write_text("prompt,meta\n" + "p,1\n" * 3 + "p,x\n")
-    assert load_prompts(None, str(csv_path)).column("meta").to_pylist() == ["1", "1", "1", "x"]
+    n = CHUNK_ROWS + 1000
+    rows = [{"prompt": "p", "count": i, "score": i / 4, "flag": i % 2 == 0, "late": None if i < 10 else i,
+             "meta": {"n": i}, "turns": i if i < 5000 else "five thousand"} for i in range(n)]
+    jsonl = tmp_path / "typed.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    csv_path = tmp_path / "typed.csv"
+    csv_path.write_text("prompt,count,score,flag,late,turns\n" + "".join(
+        f"p,{r['count']},{r['score']},{str(r['flag']).lower()},{'' if r['late'] is None else r['late']},{r['turns']}\n"
+        for r in rows))
+    return jsonl, csv_path, rows
+
+
+def test_json_and_csv_columns_keep_their_types_across_chunks_and_a_conflict_becomes_text(tmp_path, caplog):
+    """Types as Ray Data's readers give them, promoted over every chunk (null -> int, int -> float); a column
+    that is an int for 5,000 lines and then a string (another chunk) is text, with one warning naming it and the
+    line, and the rows go on."""
+    jsonl, csv_path, rows = _typed_columns(tmp_path)
+    table = load_prompts(None, str(jsonl))
+    types = {name: table.schema.field(name).type for name in ("count", "score", "flag", "late", "meta", "turns")}
+    assert types == {"count": pa.int64(), "score": pa.float64(), "flag": pa.bool_(), "late": pa.int64(),
+                     "meta": pa.string(), "turns": pa.string()}
+    assert table.column("count").to_pylist() == [r["count"] for r in rows]
+    assert table.column("late").to_pylist()[8:12] == [None, None, 10, 11]
+    assert table.column("meta").to_pylist()[3] == '{"n": 3}'  # nested: its JSON text
+    assert table.column("turns").to_pylist()[4999:5001] == ["4999", "five thousand"]
+    assert [r.getMessage() for r in caplog.records if "turns" in r.getMessage()] == [
+        "column 'turns' holds int values, then string at typed.jsonl line 5001: its values are written as text"]
+    caplog.clear()
+    table = load_prompts(None, str(csv_path))
+    assert {name: table.schema.field(name).type for name in ("count", "score", "flag", "late", "turns")} == {
+        "count": pa.int64(), "score": pa.float64(), "flag": pa.bool_(), "late": pa.int64(), "turns": pa.string()}
+    assert table.column("flag").to_pylist()[:3] == [True, False, True]
+    assert table.column("late").to_pylist()[9:11] == [None, 10]
+    assert table.column("turns").to_pylist()[5000] == "five thousand"
+    assert any("'turns' holds int values, then string at typed.csv row 5001" in r.getMessage() for r in caplog.records)
+
+
+def test_files_whose_columns_differ_in_type_are_typed_alike(tmp_path):
+    """int in one file, float in the next: float in both; int then string: text in both (one scan over every
+    file); a CSV id keeps its leading zeros."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps({"prompt": "p", "x": 1, "y": 2}) + "\n" for _ in range(3)))
+    (data / "b.jsonl").write_text(json.dumps({"prompt": "p", "x": 1.5, "y": "two"}) + "\n")
+    table = load_prompts(None, str(data))
+    assert table.schema.field("x").type == pa.float64() and table.column("x").to_pylist() == [1.0, 1.0, 1.0, 1.5]
+    assert table.column("y").to_pylist() == ["2", "2", "2", "two"]
+    ids = tmp_path / "ids.csv"
+    ids.write_text("uid,prompt\n007,p\n8,q\n")
+    assert load_prompts(None, str(ids), id_column="uid").column("id").to_pylist() == ["007", "8"]

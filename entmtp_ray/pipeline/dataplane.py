@@ -39,8 +39,10 @@ from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_m
 from entmtp_ray.pipeline.autobank import data_identity
 from entmtp_ray.pipeline.processor import Processor, calibration_problem, calibration_rows
 from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, output_keys
-from entmtp_ray.pipeline.sources import Location, Source, file_format, file_label, read_file
-from entmtp_ray.pipeline.tasks import PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize
+from entmtp_ray.pipeline.sources import (ColumnScan, Location, Source, file_format, file_label, read_file,
+                                         scan_file)
+from entmtp_ray.pipeline.tasks import (PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize,
+                                       typed)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class PromptFiles(FileBasedDatasource):
 
     def _read_stream(self, f, path: str):
         label = file_label(self._base, path)
-        for chunk in read_file(f, path, label, self._spec.text_columns):
+        for chunk in read_file(f, path, label, self._spec.text_columns, self._spec.types):
             yield standardize(chunk, self._spec, label)
 
 
@@ -115,10 +117,27 @@ def _counted(tally):
     return count
 
 
+@ray.remote(num_cpus=1)
+def _scan_file(filesystem, path: str, label: str, text_columns: tuple[str, ...]) -> ColumnScan:
+    return scan_file(filesystem, path, label, text_columns)
+
+
+def scan_files(spec: PromptSpec, source: Source) -> PromptSpec:
+    """The spec with the kinds of its files' columns (sources.ColumnScan), each file scanned by a Ray task, so
+    that every block of every file is typed alike (a JSON lines or CSV column's type is known only from all of
+    its values); decoding a row costs far more than reading it twice."""
+    scan = ColumnScan()
+    for part in ray.get([_scan_file.remote(source.filesystem, file, source.label(file), spec.text_columns)
+                         for file in source.files]):
+        scan.merge(part)
+    return typed(spec, scan)
+
+
 def read_prompts(spec: PromptSpec, source: Source | None = None) -> "ray.data.Dataset":
     """The prompt rows of a spec as a lazy, streamed Dataset (`source`: the spec's files, if already listed)."""
     if spec.kind == "files":
-        return ray.data.read_datasource(PromptFiles(source or open_source(spec), spec))
+        source = source or open_source(spec)
+        return ray.data.read_datasource(PromptFiles(source, spec if spec.types is not None else scan_files(spec, source)))
     return ray.data.read_datasource(OneTaskPrompts(spec))
 
 
@@ -305,6 +324,9 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     start = started or time.time()
     location = Location.of(job.output)
     connect(job, processor, location)
+    if isinstance(prompts, PromptSpec) and prompts.kind == "files" and prompts.types is None:
+        source = source or open_source(prompts)
+        prompts = scan_files(prompts, source)  # once: the calibration's reading and the job's type alike
     tally, samples = (RowTally.options(**_on_this_node()).remote() for _ in range(2))  # the head outlives workers
     ds = _job_rows(prompts, processor, limit, seed, source, (tally, samples))
     calibration, finished = None, None

@@ -143,11 +143,14 @@ def open_file(fs: pafs.FileSystem, path: str):
     return fs.open_input_stream(path, compression="gzip" if path.lower().endswith(".gz") else None)
 
 
-def read_file(f, path: str, label: str | None = None, text_columns: tuple[str, ...] = ()) -> Iterator[pa.Table]:
+def read_file(f, path: str, label: str | None = None, text_columns: tuple[str, ...] = (),
+              types: dict[str, str] | None = None, scan: "ColumnScan | None" = None) -> Iterator[pa.Table]:
     """The records of one opened file (`open_file`), CHUNK_ROWS at a time, each table with POS (and for
     JSON lines LINE_ERROR/LINE_ID). `label` names the file in the ids of unreadable lines (empty or None: its
     base name). In JSON lines, a value of a `text_columns` column that is not a string is read as null, and
-    its record's LINE_ERROR says what it was."""
+    its record's LINE_ERROR says what it was. JSON lines and CSV columns take the KINDS in `types` (a scan of
+    every file, `ColumnScan`, so that every chunk of every file agrees), else those of each chunk's own values;
+    `scan`, when given, sees every chunk's values first."""
     fmt = file_format(path)
     if fmt == "parquet":
         start = 0
@@ -156,9 +159,9 @@ def read_file(f, path: str, label: str | None = None, text_columns: tuple[str, .
             yield table.append_column(POS, pa.array(range(start, start + table.num_rows), pa.int64()))
             start += table.num_rows
     elif fmt == "csv":
-        yield from _read_csv(f, path)
+        yield from _read_csv(f, path, label or posixpath.basename(path), text_columns, types, scan)
     elif fmt == "jsonl":
-        yield from _read_jsonl(f, label or posixpath.basename(path), text_columns)
+        yield from _read_jsonl(f, label or posixpath.basename(path), text_columns, types, scan)
     else:
         raise ValueError(f"{path}: unknown file type; use .parquet, .jsonl/.json or .csv")
 
@@ -184,9 +187,10 @@ class _Prefixed:
         self.closed = True
 
 
-def _read_csv(f, path: str) -> Iterator[pa.Table]:
-    """CSV rows, every column read as text (as JSON lines are, and for the same reason: types guessed from
-    one block could clash with a later block's, or another file's, and stop the job)."""
+def _read_csv(f, path: str, label: str, text_columns: tuple[str, ...], types: dict[str, str] | None,
+              scan: "ColumnScan | None") -> Iterator[pa.Table]:
+    """CSV rows: every field read as text, then each column converted to its kind (`read_file`; an empty field of
+    a number or boolean column is null)."""
     head = b""
     while b"\n" not in head:
         chunk = f.read(1 << 16)
@@ -204,6 +208,10 @@ def _read_csv(f, path: str) -> Iterator[pa.Table]:
         for batch in reader:
             for offset in range(0, batch.num_rows, CHUNK_ROWS):
                 table = pa.Table.from_batches([batch.slice(offset, CHUNK_ROWS)])
+                columns = {name: table.column(name).to_pylist() for name in table.column_names}
+                lines = [f"row {start + i + 1}" for i in range(table.num_rows)] if scan is not None else []
+                kinds = _chunk_kinds(columns, csv_kind, text_columns, types, scan, label, lines)
+                table = pa.table({name: _csv_array(values, kinds[name]) for name, values in columns.items()})
                 yield table.append_column(POS, pa.array(range(start, start + table.num_rows), pa.int64()))
                 start += table.num_rows
     except pa.ArrowInvalid as exc:  # Arrow's CSV reader has no per-row recovery
@@ -225,8 +233,10 @@ def _lines(f) -> Iterator[bytes]:
         yield pending
 
 
-def _read_jsonl(f, label: str, text_columns: tuple[str, ...]) -> Iterator[pa.Table]:
+def _read_jsonl(f, label: str, text_columns: tuple[str, ...], types: dict[str, str] | None,
+                scan: "ColumnScan | None") -> Iterator[pa.Table]:
     rows: list[dict] = []
+    lines: list[str] = []
     position = 0
     for number, raw in enumerate(_lines(f), start=1):
         if not raw.strip():
@@ -238,12 +248,13 @@ def _read_jsonl(f, label: str, text_columns: tuple[str, ...]) -> Iterator[pa.Tab
                 row[column] = None
                 row.setdefault(LINE_ERROR, f"{column} must be a string, got {type(value).__name__}")
         rows.append(row | {POS: position})
+        lines.append(f"line {number}")
         position += 1
         if len(rows) == CHUNK_ROWS:
-            yield _table_from_rows(rows)
-            rows = []
+            yield _table_from_rows(rows, text_columns, types, scan, label, lines)
+            rows, lines = [], []
     if rows:
-        yield _table_from_rows(rows)
+        yield _table_from_rows(rows, text_columns, types, scan, label, lines)
 
 
 def parse_json_line(raw: bytes, number: int, label: str) -> dict:
@@ -264,21 +275,165 @@ def parse_json_line(raw: bytes, number: int, label: str) -> dict:
     return row
 
 
-def _table_from_rows(rows: list[dict]) -> pa.Table:
-    """Arrow table of JSON objects (columns: the union of their keys), every column text: a string value as
-    itself, any other value (number, boolean, list, object) as its JSON text, null as null. JSON carries no
-    schema, and a stream of chunks must not guess one: a column typed from one chunk's values (numbers)
-    would clash with the next chunk's (a string in a later line) wherever Ray joins blocks, and that would
-    stop the job. Parquet inputs keep their types."""
+def _table_from_rows(rows: list[dict], text_columns: tuple[str, ...], types: dict[str, str] | None,
+                     scan: "ColumnScan | None", label: str, lines: list[str]) -> pa.Table:
+    """Arrow table of JSON objects (columns: the union of their keys), each column of its kind (`read_file`):
+    numbers, booleans and strings as themselves, a text column's other values and nested lists and objects as
+    their JSON text, null as null."""
     keys = list(dict.fromkeys(k for r in rows for k in r if k != POS))
-    columns = {key: pa.array([_text(r.get(key)) for r in rows], pa.string()) for key in keys}
+    columns = {key: [r.get(key) for r in rows] for key in keys}
+    kinds = _chunk_kinds(columns, json_kind, text_columns, types, scan, label, lines)
+    table = {key: _json_array(values, kinds[key]) for key, values in columns.items()}
     if rows and POS in rows[0]:
-        columns[POS] = pa.array([r[POS] for r in rows], pa.int64())
-    return pa.table(columns)
+        table[POS] = pa.array([r[POS] for r in rows], pa.int64())
+    return pa.table(table)
 
 
 def _text(value) -> str | None:
     return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+# ---- column kinds ------------------------------------------------------------------------------------
+# A column of JSON lines or CSV takes the kind of its values over every file (the job's scan, `ColumnScan`):
+# null gives way to any other kind and int to float, as pyarrow's permissive schema unification promotes;
+# values of kinds that do not merge (a number in one place, a string in another) make the column text. A
+# stream of chunks typed each from its own values would clash wherever Ray joins blocks or a reader opens the
+# output's files together. Nested lists and objects are kept as JSON text. Parquet inputs keep their types.
+KINDS = ("null", "bool", "int", "float", "string", "nested", "text")
+_ARROW = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64()}  # every other kind is a string column
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_CSV_BOOLS = {"true": True, "false": False}
+
+
+def json_kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int" if _INT64[0] <= value <= _INT64[1] else "text"
+    if isinstance(value, float):
+        return "float"
+    return "string" if isinstance(value, str) else "nested"
+
+
+def csv_kind(value: str | None) -> str:
+    """The kind of a CSV field, as pyarrow's CSV reader would infer it: empty is null, then int, float, bool."""
+    if value is None or value == "":
+        return "null"
+    try:
+        return "int" if _INT64[0] <= int(value) <= _INT64[1] else "text"
+    except ValueError:
+        pass
+    try:
+        float(value)
+        return "float"
+    except ValueError:
+        return "bool" if value.lower() in _CSV_BOOLS else "string"
+
+
+def merge_kinds(a: str, b: str) -> str:
+    """The kind of a column holding values of kinds a and b."""
+    if a == b or b == "null":
+        return a
+    if a == "null":
+        return b
+    return "float" if {a, b} == {"int", "float"} else "text"
+
+
+def _chunk_kinds(columns: dict[str, list], kind_of, text_columns: tuple[str, ...], types: dict[str, str] | None,
+                 scan: "ColumnScan | None", label: str, lines: list[str]) -> dict[str, str]:
+    """Each column's kind for this chunk: the scan's (`types`), else its own values' (`scan` sees them first)."""
+    if scan is not None:
+        scan.add(columns, kind_of, text_columns, label, lines)
+    kinds = {}
+    for name, values in columns.items():
+        if name in text_columns:
+            kinds[name] = "string"
+        elif types is not None and name in types:
+            kinds[name] = types[name]
+        else:
+            kind = "null"
+            for value in values:
+                kind = merge_kinds(kind, kind_of(value))
+            kinds[name] = kind
+    return kinds
+
+
+def _json_array(values: list, kind: str) -> pa.Array:
+    if kind == "float":
+        return pa.array([None if v is None else float(v) for v in values], pa.float64())
+    if kind in _ARROW:
+        return pa.array(values, _ARROW[kind])
+    return pa.array([_text(v) for v in values], pa.string())
+
+
+def _csv_array(values: list, kind: str) -> pa.Array:
+    if kind == "int":
+        return pa.array([int(v) if v else None for v in values], pa.int64())
+    if kind == "float":
+        return pa.array([float(v) if v else None for v in values], pa.float64())
+    if kind == "bool":
+        return pa.array([_CSV_BOOLS[v.lower()] if v else None for v in values], pa.bool_())
+    return pa.array(values, pa.string())
+
+
+class ColumnScan:
+    """The kinds of a dataset's columns over every chunk it sees (`read_file(scan=...)`), and where each column
+    that became text first met a value of another kind."""
+
+    def __init__(self):
+        self.kinds: dict[str, str] = {}
+        self.changed: dict[str, str] = {}  # column -> "a number, then a string at <file> line <n>"
+
+    def add(self, columns: dict[str, list], kind_of, text_columns: tuple[str, ...], label: str,
+            lines: list[str]) -> None:
+        for name, values in columns.items():
+            if name in text_columns or self.kinds.get(name) == "text":
+                continue
+            kind = self.kinds.get(name, "null")
+            for value, line in zip(values, lines):
+                value_kind = kind_of(value)
+                merged = merge_kinds(kind, value_kind)
+                if merged == "text" and kind != "text":
+                    self.changed[name] = f"{kind} values, then {value_kind} at {label} {line}"
+                    kind = merged
+                    break
+                kind = merged
+            self.kinds[name] = kind
+
+    def merge(self, other: "ColumnScan") -> None:
+        """Add a later file's scan (files scanned apart, in order)."""
+        for name, kind in other.kinds.items():
+            mine = self.kinds.get(name, "null")
+            merged = merge_kinds(mine, kind)
+            if merged == "text" and mine != "text" and name not in self.changed:
+                self.changed[name] = other.changed.get(name) or f"{mine} values, then {kind} in a later file"
+            self.kinds[name] = merged
+
+    def warnings(self) -> dict[str, str]:
+        """Per column that became text, the warning that says so and where."""
+        return {name: f"column {name!r} holds {how}: its values are written as text"
+                for name, how in self.changed.items()}
+
+
+def scan_source(source: "Source", text_columns: tuple[str, ...]) -> ColumnScan:
+    """The column kinds over every file of a source, read here one file after another (the Ray job scans its
+    files in parallel tasks instead, dataplane.read_prompts)."""
+    scan = ColumnScan()
+    for file in source.files:
+        scan.merge(scan_file(source.filesystem, file, source.label(file), text_columns))
+    return scan
+
+
+def scan_file(fs: pafs.FileSystem, path: str, label: str, text_columns: tuple[str, ...]) -> ColumnScan:
+    """The column kinds of one file (Parquet files carry their own: an empty scan)."""
+    scan = ColumnScan()
+    if file_format(path) != "parquet":
+        with open_file(fs, path) as f:
+            for _ in read_file(f, path, label, text_columns, scan=scan):
+                pass
+    return scan
 
 
 def peek_columns(source: Source) -> list[str]:

@@ -16,8 +16,10 @@ with an id column is `<file>:line-<n>`. Ids stay the same across runs, and no pa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +28,10 @@ import numpy as np
 import pyarrow as pa
 
 from entmtp_ray.assets import asset
-from entmtp_ray.pipeline.sources import (LINE_ERROR, LINE_ID, POS, READER_COLUMNS, Source, list_source, open_file,
-                                         peek_columns, read_file)
+from entmtp_ray.pipeline.sources import (LINE_ERROR, LINE_ID, POS, READER_COLUMNS, ColumnScan, Source, list_source,
+                                         open_file, peek_columns, read_file, scan_source)
+
+log = logging.getLogger(__name__)
 
 INTERNAL_COLUMNS = ("id", "prompt", "_messages", "_input_error")
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function in one "
@@ -54,6 +58,12 @@ class PromptSpec:
     keep_prompt: bool = False  # keep the source's prompt column too (as input_prompt): HumanEval's own rows
     hub_config: str | None = None
     split: str = "test"
+    # every JSON lines / CSV column's kind over all the files (sources.ColumnScan), once scanned; None = not yet
+    column_types: tuple[tuple[str, str], ...] | None = None
+
+    @property
+    def types(self) -> dict[str, str] | None:
+        return None if self.column_types is None else dict(self.column_types)
 
     @property
     def text_columns(self) -> tuple[str, ...]:
@@ -287,14 +297,27 @@ def hub_chunks(spec: PromptSpec, rows: int = 4096):
         start += table.num_rows
 
 
+def typed(spec: PromptSpec, scan: ColumnScan) -> PromptSpec:
+    """The spec with its files' column kinds from `scan`, and a warning for each column that became text. The id
+    column stays text as written (a CSV id "007" is the id "007", a JSON number its JSON text, as ever)."""
+    kinds = dict(scan.kinds)
+    if spec.id_column:
+        kinds[spec.id_column] = "text"
+    for name, warning in scan.warnings().items():
+        if name != spec.id_column:
+            log.warning("%s", warning)
+    return dataclasses.replace(spec, column_types=tuple(kinds.items()))
+
+
 def iter_chunks(spec: PromptSpec):
     """(records, file label) chunks of a spec, read in this process (for load_prompts)."""
     if spec.kind == "files":
         source = open_source(spec)
+        types = spec.types if spec.types is not None else typed(spec, scan_source(source, spec.text_columns)).types
         for file in source.files:
             label = source.label(file)
             with open_file(source.filesystem, file) as f:
-                for chunk in read_file(f, file, label, spec.text_columns):
+                for chunk in read_file(f, file, label, spec.text_columns, types):
                     yield chunk, label
     elif spec.kind == "hub":
         table = load_hub(spec).data.table
