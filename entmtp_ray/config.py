@@ -194,7 +194,9 @@ class CalibrationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
     calibration_prompts: int = Field(64, ge=1, description="job prompts the auto bank is calibrated on (greedy "
-                                     "rollouts; a greedy job writes them as its rows for those prompts)")
+                                     "rollouts; a greedy job writes them as its rows for those prompts). A job "
+                                     "with fewer than 4x as many rows is not calibrated: it decodes with the "
+                                     "fallback, and its summary says so")
     calibration_budget: int = Field(64, ge=2, description="node budget of the trees the auto bank grows")
     bank_cache: str | None = Field(None, description="folder (path or URI) of auto banks, keyed by model, heads, "
                                    "data, hardware (a CPU's threads and model; a GPU's name and torch/CUDA "

@@ -234,7 +234,7 @@ def ar_outputs(dirs, ids_prompts: dict[str, str], max_new_tokens: int = 12) -> d
 
 @pytest.mark.slow
 def test_a_greedy_job_calibrates_writes_its_rollouts_once_and_decodes_the_rest_as_ar(tiny_model_dirs, tmp_path):
-    data = write_prompts(tmp_path / "prompts.jsonl", 7)
+    data = write_prompts(tmp_path / "prompts.jsonl", 12)  # 4x the calibration's prompts: enough to calibrate
     extra = ["--bank", "auto", "--calibration-prompts", "3", "--calibration-budget", "8", "--dtype", "fp32"]
     env = {"ENTMTP_CACHE": str(tmp_path / "user")}
     proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra), env=env)
@@ -246,13 +246,13 @@ def test_a_greedy_job_calibrates_writes_its_rollouts_once_and_decodes_the_rest_a
     assert summary["bank"] == calibration["bank"] and calibration["bank"].endswith("/bank.json")
     assert str(tmp_path / "out" / "_banks") in calibration["bank"]
     rows = read_output(tmp_path / "out")
-    assert sorted(r["id"] for r in rows) == [f"q{i}" for i in range(7)]  # every row once
+    assert sorted(r["id"] for r in rows) == sorted(f"q{i}" for i in range(12))  # every row once
     by_policy = {}
     for r in rows:
         by_policy.setdefault((r["policy"], r["actor_id"] == "calibration"), []).append(r["id"])
-    assert len(by_policy[("ar", True)]) == 3 and len(by_policy[("entmtp-tau", False)]) == 4
-    assert all(r["label"] == r["id"][1:] for r in rows)  # the input's columns follow calibration rows too
-    want = ar_outputs(tiny_model_dirs, {f"q{i}": f"Write item number {i} of a list." for i in range(7)})
+    assert len(by_policy[("ar", True)]) == 3 and len(by_policy[("entmtp-tau", False)]) == 9
+    assert all(r["label"] == int(r["id"][1:]) for r in rows)  # the input's columns follow calibration rows too
+    want = ar_outputs(tiny_model_dirs, {f"q{i}": f"Write item number {i} of a list." for i in range(12)})
     assert {r["id"]: r["output_token_ids"] for r in rows} == want  # fp32: every row equals AR's
     assert (tmp_path / "user" / "banks" / calibration["key"] / "bank.json").is_file()
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
@@ -270,7 +270,7 @@ def test_a_greedy_job_calibrates_writes_its_rollouts_once_and_decodes_the_rest_a
 
 @pytest.mark.slow
 def test_a_failed_calibration_falls_back_writes_every_row_and_exits_3_unless_accepted(tiny_model_dirs, tmp_path):
-    data = write_prompts(tmp_path / "prompts.jsonl", 3)
+    data = write_prompts(tmp_path / "prompts.jsonl", 8)
     # every prompt is longer than --max-input-tokens: no calibration rollout decodes, so no bank can be built
     extra = ["--bank", "auto", "--calibration-prompts", "2", "--max-input-tokens", "3",
              "--bank-cache", str(tmp_path / "cache")]
@@ -286,14 +286,15 @@ def test_a_failed_calibration_falls_back_writes_every_row_and_exits_3_unless_acc
     assert "with hydra instead of a calibrated bank" in error
     assert all(fix in error for fix in ("--resume", "--bank FILE", "--allow-bank-fallback"))
     rows = read_output(tmp_path / "out")
-    assert sorted(r["id"] for r in rows) == ["q0", "q1", "q2"] and all("max-input-tokens" in r["error"] for r in rows)
+    assert sorted(r["id"] for r in rows) == [f"q{i}" for i in range(8)]
+    assert all("max-input-tokens" in r["error"] for r in rows)
     assert not list((tmp_path / "cache").rglob("bank.json"))
 
     # run again with --resume: no row is left to decode, so nothing is calibrated and nothing failed
     proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra, "--resume"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert again["calibration"]["status"] == "skipped" and again["ok"] is True and again["rows"] == 3
+    assert again["calibration"]["status"] == "skipped" and again["ok"] is True and again["rows"] == 8
 
     # the fallback accepted: the same failure in the summary, a warning, exit 0
     proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "accepted", *extra, "--allow-bank-fallback"))
@@ -302,12 +303,12 @@ def test_a_failed_calibration_falls_back_writes_every_row_and_exits_3_unless_acc
     assert accepted["calibration"]["status"] == "failed" and accepted["calibration"]["fallback_accepted"] is True
     assert accepted["ok"] is True and "calibration failed" in proc.stderr
     assert not [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert sorted(r["id"] for r in read_output(tmp_path / "accepted")) == ["q0", "q1", "q2"]
+    assert sorted(r["id"] for r in read_output(tmp_path / "accepted")) == [f"q{i}" for i in range(8)]
 
 
 @pytest.mark.slow
 def test_a_sampling_job_calibrates_on_greedy_rollouts_it_does_not_write(tiny_model_dirs, tmp_path):
-    data = write_prompts(tmp_path / "prompts.jsonl", 4)
+    data = write_prompts(tmp_path / "prompts.jsonl", 8)
     extra = ["--bank", "auto", "--calibration-prompts", "2", "--calibration-budget", "8", "--temperature", "0.7",
              "--bank-cache", str(tmp_path / "cache")]
     proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra))
@@ -315,9 +316,29 @@ def test_a_sampling_job_calibrates_on_greedy_rollouts_it_does_not_write(tiny_mod
     calibration = json.loads(proc.stdout.strip().splitlines()[-1])["calibration"]
     assert calibration["status"] == "built" and calibration["prompts"] == 2 and calibration["rows_reused"] == 0
     rows = read_output(tmp_path / "out")
-    assert sorted(r["id"] for r in rows) == ["q0", "q1", "q2", "q3"]
+    assert sorted(r["id"] for r in rows) == [f"q{i}" for i in range(8)]
     assert {(r["policy"], r["acceptance"], r["actor_id"] == ACTOR_LABEL) for r in rows} == {
         ("entmtp-tau", "exact", False)}  # every row sampled by the pool, with the calibrated bank
     assert all(r["bank"] == calibration["bank"] for r in rows)
     saved = [json.loads(line) for f in (tmp_path / "cache").rglob("rollouts-*.jsonl") for line in f.open()]
     assert len(saved) == 2 and {r["temperature"] for r in saved} == {0.0}  # the calibration decoded greedily
+
+
+@pytest.mark.slow
+def test_a_job_too_small_to_pay_back_a_bank_decodes_with_the_fallback_and_says_so(tiny_model_dirs, tmp_path):
+    """7 rows, 2 calibration prompts: fewer than 4x, so no rollout is decoded for a bank no row would use; every
+    row decodes with the fallback, and the summary says why (issue 40: 40 rows, 40 rollouts, an unused bank)."""
+    data = write_prompts(tmp_path / "prompts.jsonl", 7)
+    extra = ["--bank", "auto", "--calibration-prompts", "2", "--bank-cache", str(tmp_path / "cache")]
+    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", *extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    calibration = summary["calibration"]
+    assert calibration["status"] == "skipped" and calibration["prompts"] == 0 and calibration["rows_reused"] == 0
+    assert "has 7 rows to decode, fewer than 4 x --calibration-prompts (2)" in calibration["reason"]
+    assert calibration["fallback"] == "hydra" and summary["policy"] == "hydra" and summary["ok"] is True
+    assert "--bank auto: not calibrating" in proc.stderr
+    rows = read_output(tmp_path / "out")
+    assert sorted(r["id"] for r in rows) == [f"q{i}" for i in range(7)]
+    assert {(r["policy"], r["actor_id"] == ACTOR_LABEL) for r in rows} == {("hydra", False)}
+    assert not list((tmp_path / "cache").rglob("bank.json"))

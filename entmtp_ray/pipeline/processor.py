@@ -189,7 +189,8 @@ class Processor:
                   data: tuple[str, str] | None = None) -> AutoBank:
         """Give an auto bank to this stage's actors: the cached one for this key, else one calibrated on the first
         --calibration-prompts eligible rows of `samples` (expanded rows: no input error, sample 0, no row
-        sampling_params) by a Ray task with an actor's CPUs and GPUs (pipeline/autobank.py). `output`: the job's
+        sampling_params) by a Ray task with an actor's CPUs and GPUs (pipeline/autobank.py), when the job has
+        CALIBRATION_SHARE times as many rows (else the fallback decodes them, and the report says why). `output`: the job's
         output, whose `_banks` folder caches it first; `data`: (label, fingerprint) of the job's input (default:
         the task, else the sampled prompts). A failed calibration leaves the fallback in place, with a warning, and
         says so in the report (`calibration_problem`); with no row left to decode (--resume) there is nothing to
@@ -217,6 +218,15 @@ class Processor:
         sample, rows, read = taken or calibration_sample(samples, calibration.calibration_prompts)
         if not read:  # every row already written (--resume): none decodes, with a bank or without
             report.update(status="skipped", reason="no row of the job is left to decode")
+            return self._calibrated(AutoBank(None, None, report), started)
+        if read < CALIBRATION_SHARE * calibration.calibration_prompts:
+            running = self.plan.decoding
+            report.update(status="skipped", fallback=running.bank or running.policy,
+                          reason=f"the job has {read} rows to decode, fewer than {CALIBRATION_SHARE} x "
+                          f"--calibration-prompts ({calibration.calibration_prompts}): a bank calibrated on a share "
+                          "that large would not pay back its calibration; the rows decode with the fallback. Pass "
+                          "--calibration-prompts N for a smaller sample, or --bank FILE")
+            log.warning("--bank auto: not calibrating: %s (%s)", report["reason"], report["fallback"])
             return self._calibrated(AutoBank(None, None, report), started)
         if not rows:
             report.update(status="failed", error=f"none of the job's first {read} rows decodes as the job does "
@@ -298,12 +308,18 @@ def actor_pool(pool: PoolConfig) -> ActorPoolStrategy:
                              max_concurrent_calls_per_actor=k, enable_true_multi_threading=True)
 
 
+# --bank auto calibrates on at most 1 / CALIBRATION_SHARE of the job's rows: on fewer, its rollouts (decoded as AR)
+# and its build would cost more than the bank saves on the rest (issue 40: 40 rows, 40 rollouts, a bank no row used)
+CALIBRATION_SHARE = 4
+
+
 def calibration_sample(samples: "ray.data.Dataset", count: int) -> tuple[pa.Table | None, list[dict], int]:
     """The first `count` rows of `samples` (expanded rows) that a calibration may decode as the job would: no input
     error, the first sample of its prompt, no sampling_params of its own; as a table, and as the {id, prompt,
     messages} the calibration task takes; and how many rows were read for them (0, and no table: `samples` has no
     row). Reads only the first blocks."""
-    first = samples.limit(4 * count).iter_batches(batch_size=4 * count, batch_format="pyarrow", prefetch_batches=0)
+    read = CALIBRATION_SHARE * count
+    first = samples.limit(read).iter_batches(batch_size=read, batch_format="pyarrow", prefetch_batches=0)
     rows = next(iter(first), None)  # a few more than `count`, for the rows that do not qualify
     if rows is None:
         return None, [], 0
