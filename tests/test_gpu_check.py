@@ -32,10 +32,10 @@ def test_every_stage_runs_on_cpu_within_the_budget_and_reports_its_figures(tmp_p
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary == json.loads((tmp_path / "summary.json").read_text()) and summary["ok"]
     # a device call brings back at most 8 files
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.json", "log.txt", "peer.json", "quantized.json",
-                                                          "shapes.json", "summary.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.json", "log.txt", "parting.json", "peer.json",
+                                                          "quantized.json", "shapes.json", "summary.json"]
     stages = summary["stages"]
-    assert list(stages) == ["shapes", "peer", "decode", "quantized"]
+    assert list(stages) == ["shapes", "peer", "decode", "quantized", "parting"]
     assert all(s["status"] == 0 and s["seconds"] <= s["limit_s"] for s in stages.values())
 
     shapes = stages["shapes"]["result"]
@@ -61,6 +61,10 @@ def test_every_stage_runs_on_cpu_within_the_budget_and_reports_its_figures(tmp_p
     for policy in decode["policies"].values():
         assert set(policy) == {"dynamic", "static"}
         assert all(mode["greedy_vs_ar"] == ["equal"] and mode["tokens_per_s"] > 0 for mode in policy.values())
+
+    parting = stages["parting"]["result"]["dtypes"]["float32"]  # Hydra's tree, 4 positions x its chain of 5
+    assert parting["rows"] == 20 and parting["rows_bitwise"] + parting["rows_parted_on_equal_inputs"] <= 20
+    assert parting["first"] is None or parting["first"]["parting"]["inputs_equal"]
 
     quantized = stages["quantized"]["result"]
     assert set(quantized["schemes"]) == {"none", "int8", "int4"}

@@ -23,6 +23,9 @@ All output goes to at most six files (the four stages', the summary and one log)
    (the embedded GGUF is larger than a device call carries).
 4. quantized: int8 and int4 weights at Vicuna's shape (bf16, tinygemm's int4 layout) beside unquantized bf16:
    AR ms per token and verify ms, through the kernels directly (the job refuses int8 on CUDA; this measures why).
+5. parting: at Vicuna's shape in fp16 and bf16, Hydra's tree verified from 4 positions of a greedy continuation
+   against the one-token steps (jobs/first_parting.py): how many chain rows are bitwise, and the operations where
+   rows first part on equal inputs (what a batch-invariant verify must fix on CUDA, docs/design.md §7).
 
 `--device cpu` runs every stage on scaled-down shapes (recorded in each file): the test suite's check that the
 script works. Figures from a run: docs/measurements.md ("The first GPU run").
@@ -43,8 +46,9 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: jobs/ beside entmtp_ray/
-STAGES = ("shapes", "peer", "decode", "quantized")
-SHARES = {"shapes": 0.4, "peer": 0.25, "decode": 0.1, "quantized": 0.25}  # of the budget left when a stage starts
+STAGES = ("shapes", "peer", "decode", "quantized", "parting")
+# of the budget left when a stage starts
+SHARES = {"shapes": 0.4, "peer": 0.25, "decode": 0.1, "quantized": 0.25, "parting": 0.05}
 WHEELS = ROOT / ".whl"
 SITE = Path("/tmp/entmtp-gpu-site")  # where the carried wheels are installed
 LOG = "log.txt"
@@ -181,8 +185,8 @@ def run_stage(args, out: Path) -> int:
         head["scaled_down"] = "CPU run: the shapes below, not Vicuna-7B's, and few repeats (plumbing, not figures)"
     record = Record(out / f"{args.stage}.json", args.stage_s or 600, **head)
     try:
-        {"shapes": shapes_stage, "peer": peer_stage, "decode": decode_stage, "quantized": quantized_stage}[
-            args.stage](args, device, record)
+        {"shapes": shapes_stage, "peer": peer_stage, "decode": decode_stage, "quantized": quantized_stage,
+         "parting": parting_stage}[args.stage](args, device, record)
     except Exception as exc:  # the stage's file says what broke, and what it measured before
         record.put("error", f"{type(exc).__name__}: {exc}"[:2000])
         record.put("ok", False)
@@ -670,6 +674,30 @@ def quantized_stage(args, device, record: Record) -> None:
 
 
 PROBE_LIMIT = 8  # a quantized scheme slower than this many times bf16 is not worth the budget's seconds
+
+
+# ---- 5. parting ---------------------------------------------------------------------------------------------
+
+def parting_stage(args, device, record: Record) -> None:
+    """Where a tree's verify first rounds unlike the one-token steps, per dtype (jobs/first_parting.py)."""
+    import torch
+
+    from entmtp_ray.decode.tree import load_topology
+    from entmtp_ray.jobs.first_parting import find_partings, summary
+
+    dtypes = (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
+    results = {}
+    for dtype in dtypes:
+        if record.left() < 20:
+            results[str(dtype).removeprefix("torch.")] = {"skipped": "budget"}
+            continue
+        loaded, _ = random_stack(_shape(device), dtype, device, seed=5)
+        prompt = _prompt(loaded.model.config.vocab_size, 200 if device.type == "cuda" else 24, seed=5)
+        results[str(dtype).removeprefix("torch.")] = summary(find_partings(loaded, prompt, load_topology("hydra"), 4))
+        record.put("dtypes", results)
+        del loaded
+    record.put("tree", "hydra")
+    record.put("ok", True)
 
 
 if __name__ == "__main__":
