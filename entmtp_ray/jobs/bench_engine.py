@@ -29,9 +29,7 @@ from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology, build_buffers, load_topology, make_topology
 from entmtp_ray.decode.verify import Tree
 from entmtp_ray.bench.compare import weight_read_seconds
-from entmtp_ray.model.kv_cache import KVCache
-from entmtp_ray.model.llama import forward_hidden
-from entmtp_ray.model.kernels import linear, quantize_model
+from entmtp_ray.model.kernels import quantize_model
 from entmtp_ray.model.loading import embedded_source, synchronize
 from entmtp_ray.model.quant import SCHEMES
 from entmtp_ray.pipeline.assemble import load_stack
@@ -76,33 +74,10 @@ def step_breakdown(loaded, drafter, prompts, max_new, tree: Topology) -> dict[st
     return per_step
 
 
-def verify_cost(loaded, prompt_ids, trees, repeats=10):
-    """Median ms of one verification (forward + scored lm_head) at a fixed committed length."""
-    model = loaded.model
-    cfg = model.config
-    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                    len(prompt_ids) + 128, loaded.dtype, loaded.device)
-    costs = {}
-    with torch.inference_mode():
-        device = loaded.device
-        ids = torch.tensor(prompt_ids, device=device)
-        forward_hidden(model, cache, ids, torch.arange(len(ids), device=device))
-        cache.keep(torch.arange(len(ids), device=device))
-        for label, topology in trees.items():
-            buffers = build_buffers(topology, device)
-            tokens = torch.randint(0, cfg.vocab_size, (buffers.num_nodes,), device=device)
-            positions = cache.length + buffers.depth_of
-            rows = buffers.scored_nodes if buffers.num_nodes > 1 else torch.tensor([0], device=device)
-            times = []
-            for _ in range(repeats):
-                synchronize(device)
-                start = time.perf_counter()
-                hidden = forward_hidden(model, cache, tokens, positions, buffers.tree_mask)
-                linear(hidden[rows], model.lm_head)
-                synchronize(device)
-                times.append(time.perf_counter() - start)
-            costs[label] = 1e3 * statistics.median(times)
-    return costs
+def verify_cost(loaded, prompt_ids, trees: dict[str, Topology], repeats: int = 10) -> dict[str, float]:
+    """Median ms of one verification of each tree (the forward and the scored nodes' logits) through a decoder's
+    verifier, as a step runs it (`seam_costs`), after `prompt_ids`."""
+    return seam_costs(SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar"))), prompt_ids, trees, repeats)
 
 
 TREE_SIZES = (1, 2, 4, 8, 16, 64)
@@ -114,17 +89,18 @@ def sized_trees(sizes=TREE_SIZES) -> dict[int, Topology]:
     return {n: load_topology("ar") if n == 1 else make_topology(hydra.paths[:n - 1], f"hydra{n}") for n in sizes}
 
 
-def seam_costs(decoder: SpecDecoder, prompt_ids: list[int], trees: dict[int, Topology],
-               repeats: int) -> dict[int, float]:
-    """Median ms of one verify of each tree through the decoder's verifier (the forward and the scored nodes'
-    logits, as a step runs it), the prompt committed; nothing is kept, so every repeat sees the same prefix."""
+def seam_costs(decoder: SpecDecoder, prompt_ids: list[int], trees: dict, repeats: int) -> dict:
+    """Median ms of one verify of each tree (by its key in `trees`) through the decoder's verifier (the forward
+    and the scored nodes' logits, as a step runs it), the prompt committed; nothing is kept, so every repeat sees
+    the same prefix."""
     loaded = decoder.loaded
+    room = max(t.num_nodes for t in trees.values())  # the largest tree's rows
     with torch.inference_mode():
-        request = decoder.prefill(prompt_ids, DecodingConfig(policy="ar", max_new_tokens=max(trees)))  # room: n rows
+        request = decoder.prefill(prompt_ids, DecodingConfig(policy="ar", max_new_tokens=room))
         costs = {}
-        for n, topology in trees.items():
+        for key, topology in trees.items():
             buffers = build_buffers(topology, loaded.device, decoder.leaf_logits)
-            tokens = torch.randint(0, loaded.model.config.vocab_size, (n,), device=loaded.device)
+            tokens = torch.randint(0, loaded.model.config.vocab_size, (buffers.num_nodes,), device=loaded.device)
             tree = Tree(decoder.cache, buffers, tokens, request.plan)
             decoder.verifier([tree])  # lazy inits
             times = []
@@ -134,7 +110,7 @@ def seam_costs(decoder: SpecDecoder, prompt_ids: list[int], trees: dict[int, Top
                 decoder.verifier([tree])
                 synchronize(loaded.device)
                 times.append(time.perf_counter() - start)
-            costs[n] = 1e3 * statistics.median(times)
+            costs[key] = 1e3 * statistics.median(times)
     return costs
 
 
