@@ -289,3 +289,18 @@ def test_the_quality_job_scores_the_same_text_under_every_scheme(tiny_model_dirs
     assert rows["none"]["argmax_agrees"] == 1.0 and rows["none"]["nll_change"] == 0.0
     assert rows["int4"]["nll"] != rows["none"]["nll"] and rows["int4"]["nll_change"] is not None
     assert "| humaneval | int4 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_quantized_weights_on_a_cpu_without_native_bf16_warn_that_they_run_slower(tiny_model_dirs, monkeypatch,
+                                                                                 caplog, native):
+    """ATen's weight-only kernels lose to fp32 at every tree size on an AVX2-only CPU (docs/measurements.md): the
+    load says so there, and only there."""
+    from entmtp_ray.model import loading
+
+    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: native)
+    model_dir, _ = tiny_model_dirs
+    loaded = load_model(str(model_dir), dtype="fp32", device="cpu", quantize="int8")
+    assert loaded.quantize == "int8"
+    warned = [r.getMessage() for r in caplog.records if "--quantize int8 on a CPU without AVX512-BF16" in r.getMessage()]
+    assert len(warned) == (0 if native else 1) and all("3.4x slower than fp32" in w for w in warned)

@@ -271,6 +271,10 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
                          "Llama-family models (llama, mistral) are")
     model.to(dev).eval().requires_grad_(False)
     if quantize != "none":
+        if dev.type == "cpu" and not cpu_has_native_bf16():
+            log.warning("--quantize %s on a CPU without AVX512-BF16 or AMX: ATen's weight-only kernels were "
+                        "measured 3.4x slower than fp32 at one row and 45x at 64 on such a host (docs/measurements.md, "
+                        "issue 38); drop --quantize unless the weights must be smaller", quantize)
         quantize_model(model, quantize)
     if chat_format == "auto":
         if "vicuna" in name.lower():
