@@ -128,6 +128,27 @@ def test_verify_cost_times_each_tree_on_the_models_device(tiny_model_dirs):
     costs = bench_engine.verify_cost(loaded, loaded.encode_prompt("Hello there"),
                                      {1: load_topology("ar"), 64: load_topology("hydra")}, repeats=2)
     assert set(costs) == {1, 64} and all(ms > 0 for ms in costs.values())
+def test_attention_costs_time_sdpa_and_the_fixed_order_attention_side_by_side(tiny_model_dirs, capsys):
+    """--attention-costs: a row per prefix and attention, a JSON line with both; refused (exit 2) where the
+    fixed-order attention does not serve the dtype (fp32)."""
+    from entmtp_ray.model.attention import fixed_order_ready
+    from entmtp_ray.model.loading import load_model
+
+    if not fixed_order_ready():
+        pytest.skip("the fixed-order attention kernel could not be built")
+    loaded = load_model(str(tiny_model_dirs[0]), dtype="bf16", device="cpu")
+    prompts = [loaded.encode_prompt("Hello there"), loaded.encode_prompt("Hello there, " * 20)]
+    assert bench_engine.attention_costs(loaded, prompts, 1) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    figures = json.loads(out[-1])["verify_ms"]
+    assert set(figures) == {str(len(p)) for p in prompts}
+    assert all(set(f) == {"sdpa", "fixed-order"} and all(ms > 0 for ms in f["sdpa"].values()) for f in figures.values())
+    assert sum(line.startswith("| ") for line in out) == 1 + 2 * len(prompts)  # the header, a row per pair
+    assert bench_engine.attention_costs(load_model(str(tiny_model_dirs[0]), dtype="fp32", device="cpu"),
+                                        prompts, 1) == 2
+    assert "pass --dtype bf16" in capsys.readouterr().err
+
+
 def test_throughput_mode_tables_every_system_at_every_k_in_one_run(tmp_path, capsys):
     """--concurrent-requests: each (system, K) decodes all prompts; aggregate rates, ratios to the system's own
     K=1 and the greedy check against AR at K=1; a bank given for one K runs there."""

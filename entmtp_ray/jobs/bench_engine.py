@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -29,6 +30,7 @@ from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology, build_buffers, load_topology, make_topology
 from entmtp_ray.decode.verify import Tree
 from entmtp_ray.bench.compare import weight_read_seconds
+from entmtp_ray.model.attention import sdpa_only, uses_fixed_order
 from entmtp_ray.model.kernels import quantize_model
 from entmtp_ray.model.loading import embedded_source, synchronize
 from entmtp_ray.model.quant import SCHEMES
@@ -169,6 +171,34 @@ def tree_costs(stack, prompt_ids: list[int], with_llama_cpp: bool, repeats: int)
     return 0
 
 
+def attention_costs(loaded, prompts: list[list[int]], repeats: int) -> int:
+    """Print (and end with a JSON line of) verify ms by tree size with SDPA and with the fixed-order attention
+    (model/attention.py), after each prompt: rounds of both in turn, medians over the rounds."""
+    with torch.inference_mode():  # as a verify runs
+        serves = uses_fixed_order(torch.zeros(1, dtype=loaded.dtype, device=loaded.device))
+    if not serves:
+        print(f"error: the fixed-order attention does not serve {loaded.dtype} on {loaded.device.type} here (CPU, "
+              "bf16/fp16, a built kernel): pass --dtype bf16", file=sys.stderr)
+        return 2
+    trees = sized_trees((1, 4, 8, 16, 64))
+    decoder = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))
+    costs = {}
+    print("| prefix | attention | " + " | ".join(f"n={n} ms" for n in trees) + " |")
+    print("|---:|---|" + "---:|" * len(trees))
+    for ids in prompts:
+        rounds = defaultdict(list)
+        for _ in range(repeats):
+            with sdpa_only():
+                rounds["sdpa"].append(seam_costs(decoder, ids, trees, 5))
+            rounds["fixed-order"].append(seam_costs(decoder, ids, trees, 5))
+        costs[len(ids)] = {name: {n: statistics.median(r[n] for r in rs) for n in trees} for name, rs in rounds.items()}
+        for name, by_size in costs[len(ids)].items():
+            print(f"| {len(ids)} | {name} | " + " | ".join(f"{ms:.2f}" for ms in by_size.values()) + " |")
+    print(json.dumps({"verify_ms": costs, "dtype": str(loaded.dtype).removeprefix("torch."),
+                      "threads": torch.get_num_threads(), "repeats": repeats}))
+    return 0
+
+
 def scheme_costs(loaded, prompt_ids, trees: dict[str, Topology], schemes: list[str], repeats: int) -> int:
     """Print (and end with a JSON line of) each tree's verify ms under each scheme: rounds of every scheme in
     turn, so that the machine's drift falls on all alike; medians over the rounds."""
@@ -212,6 +242,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tree-costs", action="store_true",
                         help="instead of the rest: verify ms by tree size (1-64 nodes) through the decoder's verifier, "
                         "with the weight-read floor, over --repeats interleaved rounds")
+    parser.add_argument("--attention-costs", action="store_true",
+                        help="instead of the rest: verify ms by tree size (1-64 nodes) with SDPA and with the "
+                        "fixed-order attention (bf16/fp16 on CPU), after every --prompts-file prompt, over --repeats "
+                        "interleaved rounds")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="with --tree-costs: llama.cpp's decode of as many rows on the embedded GGUF beside ours "
                         "(needs llama-cpp-python: pip install -e .[llamacpp])")
@@ -235,6 +269,8 @@ def main(argv=None) -> int:
         prompts = [loaded.encode_prompt(json.loads(line)["prompt"]) for line in f if line.strip()]
     if args.tree_costs:
         return tree_costs(stack, prompts[0], args.llama_cpp, args.repeats)
+    if args.attention_costs:
+        return attention_costs(loaded, prompts, args.repeats)
     if args.quantize:
         trees = {name: bank.topology(name) if name in names else load_topology(name) for name in args.trees}
         return scheme_costs(loaded, prompts[0], trees, args.quantize, args.repeats)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from entmtp_ray.model.attention import fixed_order_attention, uses_fixed_order
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, LayerPlan, ModelPlan, prepare
 from entmtp_ray.model.kv_cache import KVCache
 
@@ -119,6 +120,7 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
     qk = qkv[:heads + kv_heads]
     qk = qk * cos + qk.roll(hd // 2, -1) * signed_sin  # rotary on q and k at once
     _seen(layer_index, "rotary", qk.transpose(0, 1).reshape(n, -1))
+    fixed_order = uses_fixed_order(qk)
     outs = []
     for part in parts:
         rows, m = slice(part.start, part.end), part.end - part.start
@@ -126,9 +128,13 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
         # grouped-query attention with each group's query heads folded into rows of one head (SDPA's enable_gqa
         # costs 4x more for one token on CPU, docs/design.md §8); the mask rows repeat to match. The queries are
         # made contiguous: a strided one-row query takes another CPU kernel, which rounds differently
-        out = F.scaled_dot_product_attention(
-            qk[:heads, rows].contiguous().view(1, kv_heads, -1, hd), keys[None], values[None], attn_mask=part.mask,
-            scale=p.scaling)  # [1, kv_heads, (heads / kv_heads) * m, hd], the rows of one group's heads in turn
+        query = qk[:heads, rows].contiguous().view(kv_heads, -1, hd)
+        if fixed_order:  # each row a function of its own keys alone: a tree row rounds as its one-token step
+            out = fixed_order_attention(query, keys, values, part.mask, p.scaling)
+        else:
+            out = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=part.mask,
+                                                 scale=p.scaling)
+        # [(1,) kv_heads, (heads / kv_heads) * m, hd], the rows of one group's heads in turn
         out = out.view(heads, m, hd).transpose(0, 1)
         # a copy sees only the prefix and itself: the first row is the token's (the others equal it)
         outs.append(out[:1].reshape(1, -1) if part.copies else out.reshape(m, -1))

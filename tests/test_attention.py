@@ -1,0 +1,86 @@
+"""The fixed-order attention (model/attention.py): each row a function of its own keys alone, bit for bit, whatever
+the call's other rows and masked keys; close to SDPA; and with it a tree's rows are the one-token steps' bit for bit
+in bf16 on the embedded model. Skipped, with the reason, where the kernel cannot be built (no C++ compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from entmtp_ray.model.attention import fixed_order_attention, fixed_order_ready, uses_fixed_order
+
+pytestmark = pytest.mark.skipif(not fixed_order_ready(), reason="the fixed-order attention kernel could not be built")
+
+
+def _qkv(dtype, rows=12, keys=40, kv=3, hd=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(kv, n, hd, generator=g).to(dtype) for n in (rows, keys, keys)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_is_a_function_of_its_own_keys_whatever_else_the_call_holds(dtype):
+    q, k, v = _qkv(dtype)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(12, 40, generator=g) < 0.6
+    mask[:, 0] = True
+    together = fixed_order_attention(q, k, v, mask, 0.125)  # [kv, 12, hd]
+    for r in range(12):
+        own = mask[r].nonzero()[:, 0]
+        alone = fixed_order_attention(q[:, r:r + 1], k[:, own], v[:, own], None, 0.125)  # its keys only, no mask
+        assert torch.equal(alone[:, 0], together[:, r])
+        padded = fixed_order_attention(q[:, r:r + 1].expand(-1, 5, -1), k, v, mask[r].expand(5, -1), 0.125)
+        assert torch.equal(padded[:, 0], together[:, r])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_it_computes_what_sdpa_computes(dtype):
+    q, k, v = _qkv(dtype)
+    mask = torch.ones(12, 40, dtype=torch.bool).tril(diagonal=28)
+    for m in (None, mask):
+        want = F.scaled_dot_product_attention(q[None].float(), k[None].float(), v[None].float(), attn_mask=m,
+                                              scale=0.125)[0]
+        got = fixed_order_attention(q, k, v, m, 0.125).float()
+        assert torch.allclose(got, want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def test_the_forward_takes_it_for_bf16_and_fp16_on_cpu_without_autograd_only():
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert uses_fixed_order(x) and uses_fixed_order(x.half()) and not uses_fixed_order(x.float())
+    assert not uses_fixed_order(x.requires_grad_())  # training keeps SDPA, which has a backward
+
+
+@pytest.mark.parametrize("prompt", ["Write a function that sums the digits of a number.",
+                                    "Continue: the band signed its first professional conductor, Mr William Rimmer"])
+def test_a_trees_rows_are_the_one_token_steps_bit_for_bit_in_bf16(prompt):
+    """jobs/first_parting.py on the embedded model: every chain row of a 16-node tree (a prefix of Hydra's, within
+    the 32 rows oneDNN's packed products round alike) equals the one-token step at its position, every operation,
+    its kept k/v and its logits."""
+    from entmtp_ray.decode.tree import load_topology, make_topology
+    from entmtp_ray.jobs.first_parting import find_partings, summary
+    from entmtp_ray.model.loading import load_model
+
+    loaded = load_model(dtype="bf16", device="cpu")
+    tree = make_topology(load_topology("hydra").paths[:15], "hydra16")
+    result = summary(find_partings(loaded, loaded.encode_prompt(prompt), tree, 6))
+    assert result["rows_bitwise"] == result["rows"] > 6, result
+
+
+@pytest.mark.slow
+def test_greedy_through_every_tree_is_ar_token_for_token_in_bf16():
+    """No tie rule: Hydra's and Medusa's trees and a bank's policy give AR's bf16 tokens exactly."""
+    from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.decode.loop import SpecDecoder
+    from entmtp_ray.pipeline.assemble import load_stack, plan
+
+    model_cfg = ModelConfig(dtype="bf16", device="cpu")
+    stack = load_stack(model_cfg, with_heads=True)
+    prompts = [stack.loaded.encode_prompt(p) for p in ("List three prime numbers and explain why.",
+                                                         "def fizzbuzz(n):")]
+    outputs = {}
+    for name in ("ar", "hydra", "medusa", "entmtp-tau"):
+        cfg = DecodingConfig(policy=name, task="humaneval", max_new_tokens=40)
+        decoder = SpecDecoder(stack.loaded, stack.drafter if name != "ar" else None, plan(model_cfg, cfg).policy)
+        outputs[name] = [decoder.generate(ids, cfg).output_token_ids for ids in prompts]
+    assert all(outputs[name] == outputs["ar"] for name in outputs), outputs
