@@ -302,5 +302,6 @@ def test_quantized_weights_on_a_cpu_without_native_bf16_warn_that_they_run_slowe
     model_dir, _ = tiny_model_dirs
     loaded = load_model(str(model_dir), dtype="fp32", device="cpu", quantize="int8")
     assert loaded.quantize == "int8"
-    warned = [r.getMessage() for r in caplog.records if "--quantize int8 on a CPU without AVX512-BF16" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records
+              if "--quantize int8 on a CPU without AVX512-BF16" in r.getMessage()]
     assert len(warned) == (0 if native else 1) and all("3.4x slower than fp32" in w for w in warned)

@@ -197,7 +197,7 @@ def summary(checks: list[RowCheck]) -> dict:
     """Counts over the checked rows, and the operations where rows first parted on equal inputs (new partings)."""
     new = [c for c in checks if c.parting is not None and c.parting.inputs_equal]
     first = min(new, key=lambda c: (c.position, c.depth), default=None)
-    by_op = Counter(f"{c.parting.op}" for c in new)
+    by_op = Counter(c.parting.op for c in new)
     return {
         "rows": len(checks),
         "rows_bitwise": sum(c.parting is None for c in checks),

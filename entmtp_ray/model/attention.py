@@ -115,6 +115,7 @@ torch::Tensor fixed_order_attention(torch::Tensor q, torch::Tensor k, torch::Ten
 }
 """
 
+_DISABLED = os.environ.get("ENTMTP_FIXED_ORDER_ATTENTION", "1") == "0"  # read once: uses_fixed_order runs per layer
 _lock = threading.Lock()
 _kernel = None  # the built module; False once a build failed
 _off = threading.local()  # sdpa_only() inside this thread
@@ -141,7 +142,7 @@ def _build():
 
 def fixed_order_ready() -> bool:
     """Whether the kernel is built (building it on the first call); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA."""
-    if os.environ.get("ENTMTP_FIXED_ORDER_ATTENTION", "1") == "0":
+    if _DISABLED:
         return False
     return bool(_kernel if _kernel is not None else _build())
 

@@ -119,7 +119,8 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
     cos, signed_sin = tables  # [1, n, hd] each
     qk = qkv[:heads + kv_heads]
     qk = qk * cos + qk.roll(hd // 2, -1) * signed_sin  # rotary on q and k at once
-    _seen(layer_index, "rotary", qk.transpose(0, 1).reshape(n, -1))
+    if _probe is not None:  # the reshape copies: only for a probe
+        _seen(layer_index, "rotary", qk.transpose(0, 1).reshape(n, -1))
     fixed_order = uses_fixed_order(qk)
     outs = []
     for part in parts:

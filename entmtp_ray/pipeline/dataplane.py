@@ -137,7 +137,8 @@ def read_prompts(spec: PromptSpec, source: Source | None = None) -> "ray.data.Da
     """The prompt rows of a spec as a lazy, streamed Dataset (`source`: the spec's files, if already listed)."""
     if spec.kind == "files":
         source = source or open_source(spec)
-        return ray.data.read_datasource(PromptFiles(source, spec if spec.types is not None else scan_files(spec, source)))
+        typed_spec = spec if spec.types is not None else scan_files(spec, source)
+        return ray.data.read_datasource(PromptFiles(source, typed_spec))
     return ray.data.read_datasource(OneTaskPrompts(spec))
 
 

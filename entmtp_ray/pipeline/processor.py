@@ -190,11 +190,11 @@ class Processor:
         """Give an auto bank to this stage's actors: the cached one for this key, else one calibrated on the first
         --calibration-prompts eligible rows of `samples` (expanded rows: no input error, sample 0, no row
         sampling_params) by a Ray task with an actor's CPUs and GPUs (pipeline/autobank.py), when the job has
-        CALIBRATION_SHARE times as many rows (else the fallback decodes them, and the report says why). `output`: the job's
-        output, whose `_banks` folder caches it first; `data`: (label, fingerprint) of the job's input (default:
-        the task, else the sampled prompts). A failed calibration leaves the fallback in place, with a warning, and
-        says so in the report (`calibration_problem`); with no row left to decode (--resume) there is nothing to
-        calibrate for. Returns the bank, the rollouts a greedy job writes as its rows (with their sample rows),
+        CALIBRATION_SHARE times as many rows (else the fallback decodes them, and the report says why). `output`:
+        the job's output, whose `_banks` folder caches it first; `data`: (label, fingerprint) of the job's input
+        (default: the task, else the sampled prompts). A failed calibration leaves the fallback in place, with a
+        warning, and says so in the report (`calibration_problem`); with no row left to decode (--resume) there is
+        nothing to calibrate for. Returns the bank, the rollouts a greedy job writes as its rows (with their sample rows),
         and the report."""
         started = time.time()
         calibration, pool, placement = self.config.calibration, self.config.pool, self.place()

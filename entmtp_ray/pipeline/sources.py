@@ -248,7 +248,8 @@ def _read_jsonl(f, label: str, text_columns: tuple[str, ...], types: dict[str, s
                 row[column] = None
                 row.setdefault(LINE_ERROR, f"{column} must be a string, got {type(value).__name__}")
         rows.append(row | {POS: position})
-        lines.append(f"line {number}")
+        if scan is not None:  # where a scan's warning points
+            lines.append(f"line {number}")
         position += 1
         if len(rows) == CHUNK_ROWS:
             yield _table_from_rows(rows, text_columns, types, scan, label, lines)
@@ -294,12 +295,12 @@ def _text(value) -> str | None:
 
 
 # ---- column kinds ------------------------------------------------------------------------------------
-# A column of JSON lines or CSV takes the kind of its values over every file (the job's scan, `ColumnScan`):
+# A column of JSON lines or CSV takes the kind (null, bool, int, float, string, nested, text) of its values over
+# every file (the job's scan, `ColumnScan`):
 # null gives way to any other kind and int to float, as pyarrow's permissive schema unification promotes;
 # values of kinds that do not merge (a number in one place, a string in another) make the column text. A
 # stream of chunks typed each from its own values would clash wherever Ray joins blocks or a reader opens the
 # output's files together. Nested lists and objects are kept as JSON text. Parquet inputs keep their types.
-KINDS = ("null", "bool", "int", "float", "string", "nested", "text")
 _ARROW = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64()}  # every other kind is a string column
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _CSV_BOOLS = {"true": True, "false": False}
@@ -343,9 +344,11 @@ def merge_kinds(a: str, b: str) -> str:
 
 def _chunk_kinds(columns: dict[str, list], kind_of, text_columns: tuple[str, ...], types: dict[str, str] | None,
                  scan: "ColumnScan | None", label: str, lines: list[str]) -> dict[str, str]:
-    """Each column's kind for this chunk: the scan's (`types`), else its own values' (`scan` sees them first)."""
+    """Each column's kind for this chunk: the job's scan's (`types`); while scanning (`scan`), the scan's so far,
+    which hold this chunk's values; else the chunk's own values'."""
     if scan is not None:
         scan.add(columns, kind_of, text_columns, label, lines)
+        types = scan.kinds
     kinds = {}
     for name, values in columns.items():
         if name in text_columns:
