@@ -84,3 +84,28 @@ def test_greedy_through_every_tree_is_ar_token_for_token_in_bf16():
         decoder = SpecDecoder(stack.loaded, stack.drafter if name != "ar" else None, plan(model_cfg, cfg).policy)
         outputs[name] = [decoder.generate(ids, cfg).output_token_ids for ids in prompts]
     assert all(outputs[name] == outputs["ar"] for name in outputs), outputs
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path):
+    import os
+    import threading
+    import time
+
+    from entmtp_ray.model.attention import wait_for_build_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 700, time.time() - 700))
+    wait_for_build_lock(lock, stale_s=600)  # torch's loader would wait on it forever
+    assert not lock.exists()
+
+    lock.touch()  # a build in progress: waited for until it ends
+    threading.Timer(0.3, lock.unlink).start()
+    started = time.monotonic()
+    wait_for_build_lock(lock, stale_s=600, poll_s=0.05)
+    assert 0.25 < time.monotonic() - started < 5
+
+    lock.touch()  # a build that dies holding it: removed once it is older than stale_s
+    started = time.monotonic()
+    wait_for_build_lock(lock, stale_s=0.3, poll_s=0.05)
+    assert not lock.exists() and time.monotonic() - started >= 0.25

@@ -10,9 +10,10 @@ in fp32: a tree row's keys (the prefix, then its ancestors) are the one-token st
 where the products are row-invariant too (bf16 on CPU, §8) the tree's rows are the steps' bit for bit.
 
 The kernel is C++ built on first use by torch's extension loader (a C++ compiler and ninja; about 40 s, cached per
-machine in torch's extensions folder). Where it cannot be built, `fixed_order_ready()` is False, a warning says why
-once, and the forward keeps SDPA (greedy output then equals AR's up to float ties, as before);
-ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA by choice (a host where SDPA is faster and ties are acceptable).
+machine under ENTMTP_CACHE, or TORCH_EXTENSIONS_DIR when set; a build lock a killed build left is removed once
+stale). Where it cannot be built, `fixed_order_ready()` is False, a warning says why once, and the forward keeps
+SDPA (greedy output then equals AR's up to float ties, as before); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA by
+choice (a host where SDPA is faster and ties are acceptable).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -31,6 +34,11 @@ log = logging.getLogger(__name__)
 # ties are rare enough that the tie rule covers them
 DTYPES = (torch.bfloat16, torch.float16)
 _NAME = "entmtp_fixed_order_attention_v3"  # a new kernel text needs a new name: the loader caches builds by name
+# torch's loader holds a `lock` file in the build folder while it compiles and waits, with no time limit, for any
+# lock it finds; a process killed mid-build (a Ray actor at the end of its job) leaves one behind, and every later
+# process on the machine then hung at its first bf16 forward. A build takes about 40 s: a lock older than this was
+# left by a dead build and is removed
+STALE_BUILD_LOCK_S = 600.0
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -129,8 +137,12 @@ def _build():
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                folder = build_folder()
+                folder.mkdir(parents=True, exist_ok=True)
+                wait_for_build_lock(folder / "lock", STALE_BUILD_LOCK_S)
                 _kernel = load_inline(_NAME, cpp_sources=[_SOURCE], functions=["fixed_order_attention"],
-                                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off"])
+                                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+                                      build_directory=str(folder))
             except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: SDPA serves instead
                 log.warning("fixed-order attention could not be built (%s: %s); bf16/fp16 on CPU keeps SDPA, whose "
                             "greedy output equals AR's up to float ties. Install a C++ compiler and ninja for "
@@ -138,6 +150,30 @@ def _build():
                             else "")
                 _kernel = False
     return _kernel
+
+
+def build_folder() -> Path:
+    """Where the kernel is built and cached: under TORCH_EXTENSIONS_DIR when set, else the package's cache
+    (ENTMTP_CACHE), one folder per kernel and torch version."""
+    from entmtp_ray.model.loading import cache_dir  # loading imports this module's importers
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions"
+    return Path(root) / f"{_NAME}-torch{torch.__version__}"
+
+
+def wait_for_build_lock(lock: Path, stale_s: float, poll_s: float = 1.0) -> None:
+    """Wait while another process's build holds `lock`; remove it, with a warning, once it is older than `stale_s`
+    (its build died), so that torch's loader, which would wait on it forever, builds instead."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll_s)
 
 
 def fixed_order_ready() -> bool:
