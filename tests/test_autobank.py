@@ -180,7 +180,9 @@ def test_a_worker_calibrates_a_bank_from_its_rollouts_and_resumes_from_its_stage
     result = calibrate_on_worker(model, job, 1, rows, str(work), "tiny-auto", 8, "gsm8k")
     assert result["error"] is None, result["error"]
     bank = Bank.model_validate_json(result["bank"])
-    assert bank.task == "tiny-auto" and bank.calibration["auto"] and bank.calibration["prompts"] == 4
+    assert bank.task == "tiny-auto" and bank.calibration["auto"]
+    assert (bank.calibration["prompts"], bank.calibration["held_out"]) == (3, 1)  # one held out, and measured on
+    assert bank.selection.by == "measured" and bank.policy.star in {c.name for c in bank.selection.candidates}
     assert bank.hardware.threads == 1 and max(t.nodes for t in bank.trees) <= 8
     records = result["records"]
     assert [r["id"] for r in records] == [r["id"] for r in rows]  # the job's rows, the bad one as its error row
@@ -208,7 +210,8 @@ def test_a_worker_calibrates_a_bank_from_its_rollouts_and_resumes_from_its_stage
     others = [{"id": f"n{i}", "prompt": f"Name a colour, number {i}.", "messages": None} for i in range(3)]
     third = calibrate_on_worker(model, job, 1, others + rows[:3], str(work), "tiny-auto", 8, "gsm8k")
     assert [r["id"] for r in third["records"]] == ["n0", "c0", "c1", "c2"]  # 5 saved + n0 = the 6 asked for
-    assert Bank.model_validate_json(third["bank"]).calibration["prompts"] == 5  # c0-c3 and n0 decoded
+    built = Bank.model_validate_json(third["bank"]).calibration  # c0-c3 and n0 decoded: 4 fit, 1 held out
+    assert (built["prompts"], built["held_out"]) == (4, 1)
 
 
 def test_a_calibration_with_no_usable_prompt_reports_why_and_builds_nothing(tiny_model_dirs, tmp_path):

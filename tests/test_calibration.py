@@ -176,3 +176,52 @@ def test_cached_rank_tables_are_reused_only_for_the_same_heads(tiny_model_dirs, 
     assert again[0].rows != saved["rollouts"][0]["rows"], "new heads in the same folder were measured afresh"
     assert json.loads((work / "tables.json").read_text())["measured_by"]["heads"] != saved["measured_by"]["heads"]
     assert len(again[0].rows) == len(first[0].rows)
+
+
+def test_a_bank_is_chosen_by_decoding_its_held_out_prompts(tiny_model_dirs, tmp_path):
+    """build_bank holds a quarter of the rollouts out of growth and the sweeps, decodes those prompts with the best
+    replayed trees, Hydra's tree, the 1-node tree (and a pair) side by side, and takes the measured fastest as the
+    star; the bank records each candidate's replayed and measured figures, the replay predicts the measured
+    accepted lengths exactly (greedy, fp32), and a rebuild reuses the measurements."""
+    import json
+
+    from entmtp_ray.calibrate.bank import Bank
+    from entmtp_ray.calibrate.sweep import MEASURED_TOLERANCE
+    from entmtp_ray.pipeline.calibration import CalibrationRow, build_bank, split_held_out
+
+    model_dir, heads_dir = tiny_model_dirs
+    engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
+                    DecodingConfig(policy="hydra", max_new_tokens=16))
+    prompts = [f"Tell me about {topic}." for topic in ("rivers", "owls", "tea", "maps", "salt", "ice", "clay", "wind")]
+    rows = [CalibrationRow(f"p{k}", p, engine.generate(f"p{k}", p).output_token_ids) for k, p in enumerate(prompts)]
+    fit, held = split_held_out(rows)
+    assert len(held) == 2 and len(fit) == 6 and not {r.id for r in fit} & {r.id for r in held}
+    assert split_held_out(rows[::-1])[1] == held[::-1] or {r.id for r in split_held_out(rows[::-1])[1]} == {
+        r.id for r in held}, "the same rows are held out whatever their order"
+
+    work = tmp_path / "work"
+    built = build_bank(engine, rows, prompts[:2], work, name="t", budget=8, max_new_tokens=16,
+                       calibration={"source": "test"})
+    bank = Bank.model_validate_json(built.bank.model_dump_json())  # it validates as a file would
+    selection = bank.selection
+    assert selection.by == "measured" and selection.held_out == 2
+    assert bank.calibration["prompts"] == 6 and bank.calibration["held_out"] == 2
+    measured = {c.name: c for c in selection.candidates}
+    assert {"hydra", "t-n1"} <= set(measured), "Hydra's tree and plain decoding are always candidates"
+    assert measured["t-n1"].measured_tau == 1.0 and measured["hydra"].nodes == 64
+    for c in selection.candidates:
+        if c.nodes is not None:  # a fixed tree: the replay's accepted lengths are decoding's, exactly
+            assert c.replayed_tau == pytest.approx(c.measured_tau), c.name
+    star = bank.policy.star
+    assert star in {t.name for t in bank.trees} and star in measured
+    fixed = [c.measured_tokens_per_s for c in selection.candidates if c.nodes is not None]
+    assert measured[star].measured_tokens_per_s >= (1 - MEASURED_TOLERANCE) * max(fixed)
+    assert f"star {star}" in selection.reason
+    saved = json.loads((work / "measured.json").read_text())
+    assert len(saved["rounds"]) == 2 and all(set(r) == set(measured) for r in saved["rounds"]), "side by side"
+
+    stamp = (work / "measured.json").stat().st_mtime
+    again = build_bank(engine, rows, prompts[:2], work, name="t", budget=8, max_new_tokens=16,
+                       calibration={"source": "test"})
+    assert (work / "measured.json").stat().st_mtime == stamp, "the measurements were reused"
+    assert again.bank.selection == bank.selection and again.bank.policy == bank.policy

@@ -169,6 +169,34 @@ def test_the_star_is_the_smallest_tree_within_the_tolerance_of_the_fastest(monke
     assert star(gap - 1e-9)[0] == fastest
 
 
+def test_measured_selection_takes_the_fastest_measured_tree_and_keeps_a_pair_only_if_it_measured_faster():
+    """A bank's star is what decoded fastest on its held-out prompts, Hydra's tree and plain decoding (the 1-node
+    tree) among the candidates, so the default never runs measured-slower than either; the smaller of two trees
+    within MEASURED_TOLERANCE wins; the pair stays only MIN_SWITCH_GAIN above the star."""
+    from entmtp_ray.calibrate.sweep import MEASURED_TOLERANCE, MIN_SWITCH_GAIN, select_measured
+
+    nodes = {"t-n1": 1, "t-n5": 5, "t-n12": 12, "hydra": 64}
+    fixed = {"t-n1": 40.0, "t-n5": 60.0, "t-n12": 60.0 * (1 + MEASURED_TOLERANCE / 2), "hydra": 55.0}
+    assert select_measured(fixed, nodes, None) == ("t-n5", False)
+    assert select_measured(fixed, nodes, 60.0 * (1 + MIN_SWITCH_GAIN) - 0.01) == ("t-n5", False)
+    assert select_measured(fixed, nodes, 60.0 * (1 + MIN_SWITCH_GAIN)) == ("t-n5", True)
+    assert select_measured(fixed | {"hydra": 70.0}, nodes, None) == ("hydra", False)  # the guard: Hydra's tree won
+    assert select_measured(fixed | {"t-n1": 80.0}, nodes, 79.0) == ("t-n1", False)  # plain decoding won: no tree
+
+
+def test_with_star_collapses_every_signals_pair_onto_the_new_star_unless_kept():
+    from entmtp_ray.calibrate.bank import PolicyParams, SignalParams
+    from entmtp_ray.calibrate.sweep import with_star
+
+    pair = SignalParams(ladder_trees=["b"], conservative="a", aggressive="b", tau_on=0.1, tau_off=0.2, gain=0.05)
+    policy = PolicyParams(star="a", signal="entropy", signals={"entropy": pair, "top1": pair})
+    kept = with_star(policy, "c", keep_pair=True)
+    assert kept.star == "c" and kept.signals == policy.signals
+    dropped = with_star(policy, "c", keep_pair=False)
+    assert dropped.star == "c" and all((p.conservative, p.aggressive) == ("c", "c") and p.gain == 0.05
+                                       for p in dropped.signals.values())
+
+
 def test_the_accepted_signal_switches_between_drafting_trees_as_regimes_change():
     """In long regimes what the last steps accepted predicts the next step, once the conservative tree
     drafts something to be accepted. (It lags a regime change by a few steps, which the entropy of the

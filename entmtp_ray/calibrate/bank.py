@@ -119,6 +119,28 @@ class PolicyParams(BaseModel):
         return name, self.signals[name]
 
 
+class Measured(BaseModel):
+    """One policy the bank builder measured on its held-out prompts: what the replay predicted there, and what
+    decoding them here gave."""
+
+    name: str = Field(..., description="a bank tree, `hydra` (Hydra's tree) or `entmtp-tau` (the switching pair)")
+    nodes: int | None = Field(None, description="the tree's nodes; None for the switching pair")
+    replayed_tokens_per_s: float = Field(..., description="the replay's tokens/s on the held-out rollouts")
+    replayed_tau: float
+    measured_tokens_per_s: float = Field(..., description="median over the held-out prompts of decoding's tokens/s")
+    measured_tau: float = Field(..., description="accepted tokens per step decoding the held-out prompts")
+
+
+class Selection(BaseModel):
+    """How the star and the switching pair were chosen: by decoding held-out prompts (prompts no tree was grown or
+    replayed on), or, with too few rollouts to hold any out, by the replay alone."""
+
+    by: str = Field(..., description="`measured` or `replay`")
+    held_out: int = Field(0, ge=0, description="held-out prompts the candidates were measured on")
+    candidates: list[Measured] = Field(default_factory=list)
+    reason: str = Field("", description="why the star (and the pair, or none) won, in a line")
+
+
 class Bank(BaseModel):
     version: int = Field(BANK_VERSION, description="file format version")
     model: str
@@ -129,6 +151,7 @@ class Bank(BaseModel):
     created: str = Field(..., description="ISO date")
     trees: list[BankTree] = Field(..., min_length=1, description="the frontier, fewest nodes first")
     policy: PolicyParams
+    selection: Selection | None = Field(None, description="how the policy was chosen (absent in older banks)")
 
     @model_validator(mode="after")
     def _names_resolve(self):

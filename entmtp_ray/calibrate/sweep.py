@@ -22,6 +22,9 @@ MIN_SWITCH_GAIN = 0.02
 # over 3 timing prompts and vary by a few percent between runs, and a smaller tree's step grows less with the
 # context (ShareGPT's frontier from 4 to 16 nodes spans 2% of replayed tokens/s)
 STAR_TOLERANCE = 0.01
+# the star chosen by measurement is the smallest measured tree within this of the fastest measured: a tree that
+# does not decode clearly faster than a smaller one (the 1-node tree included) costs more as the context grows
+MEASURED_TOLERANCE = 0.01
 QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
@@ -126,3 +129,21 @@ def choose_policies(rollouts, trees: dict[str, Topology], step_seconds: dict[str
     # entmtp-tau reads no signal
     default = max(signals, key=lambda n: figures["signals"][n]["tau_tokens_per_s"])
     return PolicyParams(star=star, signal=default, beta=beta, signals=signals), figures
+
+
+def select_measured(fixed: dict[str, float], nodes: dict[str, int], switching: float | None) -> tuple[str, bool]:
+    """(star, keep the switching pair) from measured tokens/s: `fixed`, each fixed tree's (the bank's best replayed
+    trees, Hydra's tree, the 1-node tree); `switching`, the pair's, or None when the sweep kept none. The star is the
+    smallest tree within MEASURED_TOLERANCE of the fastest, so no tree measured faster than it by more than that (not
+    Hydra's, not plain decoding); the pair is kept only when it measured MIN_SWITCH_GAIN faster than the star."""
+    fastest = max(fixed.values())
+    star = min((n for n in fixed if fixed[n] >= (1 - MEASURED_TOLERANCE) * fastest), key=lambda n: (nodes[n], n))
+    return star, switching is not None and switching >= (1 + MIN_SWITCH_GAIN) * fixed[star]
+
+
+def with_star(policy: PolicyParams, star: str, keep_pair: bool) -> PolicyParams:
+    """`policy` with `star` as its star; without the pair, every signal's entmtp-tau runs the star too (and reads no
+    signal), as a pair the sweep found not worth switching for does."""
+    signals = policy.signals if keep_pair else {
+        name: p.model_copy(update={"conservative": star, "aggressive": star}) for name, p in policy.signals.items()}
+    return policy.model_copy(update={"star": star, "signals": signals})

@@ -79,6 +79,20 @@ def calibration_prompts(tasks: list[str], dataset: str | None, split: str, promp
     return pa.concat_tables(parts)
 
 
+def selection_table(bank) -> str:
+    """How the bank's policy was chosen: per measured candidate, replayed vs measured tokens/s and tau on the
+    held-out prompts (how well the replay predicted), and the reason."""
+    selection = bank.selection
+    if selection is None or not selection.candidates:
+        return f"selection: {selection.reason if selection else 'by replay (a bank from before measured selection)'}"
+    lines = [f"selection on {selection.held_out} held-out prompts (tokens/s and tau: replayed / measured):"]
+    for c in sorted(selection.candidates, key=lambda c: -c.measured_tokens_per_s):
+        nodes = f"{c.nodes} nodes" if c.nodes else "switching"
+        lines.append(f"  {c.name:<20} {nodes:>10}  {c.replayed_tokens_per_s:7.1f} / {c.measured_tokens_per_s:7.1f} "
+                     f"tok/s  {c.replayed_tau:5.2f} / {c.measured_tau:5.2f} tau")
+    return "\n".join([*lines, selection.reason])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", required=True, nargs="+", choices=sorted(TASKS),
@@ -135,6 +149,7 @@ def main(argv=None) -> int:
                                     "seed": args.seed})
     save_bank(built.bank, args.out)
     policy = built.bank.policy
+    print(selection_table(built.bank), file=sys.stderr)
     print(json.dumps({"bank": args.out, "frontier": {n: built.stats[n] for n in built.frontier},
                       "star": policy.star, "signal": policy.signal, "seconds": time.time() - started}))
     return 0

@@ -61,7 +61,9 @@ def main(argv=None) -> int:
         shutdown()  # a local Ray the job started goes with it
         return CONFIG_ERROR
     summary = run_job(spec, job, processor, source.limit, decoding.seed, started, files)
-    summary.update(policy=processor.config.decoding.policy, bank=processor.plan.bank_label)  # what ran
+    bank = processor.plan.bank
+    summary.update(policy=processor.config.decoding.policy, bank=processor.plan.bank_label,  # what ran, and why
+                   bank_selection=bank.selection.reason if bank is not None and bank.selection else None)
     shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
     print(json.dumps(summary), flush=True)
     problem = calibration_problem(summary.get("calibration"))

@@ -264,6 +264,7 @@ class Processor:
             policy = auto.bank.policy
             switching = policy.signals[policy.signal]
             report.update(bank=auto.label, star=policy.star, trees={t.name: t.nodes for t in auto.bank.trees},
+                          selection=auto.bank.selection.reason if auto.bank.selection else None,
                           # None: no signal's switching gained enough over the star, and entmtp-tau runs the star
                           signal=policy.signal if switching.conservative != switching.aggressive else None)
         elif report["status"] == "failed":
