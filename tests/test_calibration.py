@@ -185,7 +185,7 @@ def test_a_bank_is_chosen_by_decoding_its_held_out_prompts(tiny_model_dirs, tmp_
     accepted lengths exactly (greedy, fp32), and a rebuild reuses the measurements."""
     import json
 
-    from entmtp_ray.calibrate.bank import Bank
+    from entmtp_ray.calibrate.bank import Bank, selection_report
     from entmtp_ray.calibrate.sweep import MEASURED_TOLERANCE
     from entmtp_ray.pipeline.calibration import CalibrationRow, build_bank, split_held_out
 
@@ -217,6 +217,8 @@ def test_a_bank_is_chosen_by_decoding_its_held_out_prompts(tiny_model_dirs, tmp_
     fixed = [c.measured_tokens_per_s for c in selection.candidates if c.nodes is not None]
     assert measured[star].measured_tokens_per_s >= (1 - MEASURED_TOLERANCE) * max(fixed)
     assert f"star {star}" in selection.reason
+    report = selection_report(bank)  # what build_bank and the bench print
+    assert report.endswith(selection.reason) and all(f"  {c.name} " in report for c in selection.candidates)
     saved = json.loads((work / "measured.json").read_text())
     assert len(saved["rounds"]) == 2 and all(set(r) == set(measured) for r in saved["rounds"]), "side by side"
 

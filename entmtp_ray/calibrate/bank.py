@@ -172,6 +172,20 @@ class Bank(BaseModel):
         return make_topology(self.tree(name).paths, name)
 
 
+def selection_report(bank: Bank) -> str:
+    """How the bank's policy was chosen: per measured candidate, replayed vs measured tokens/s and tau on the
+    held-out prompts (how well the replay predicted), and the reason."""
+    selection = bank.selection
+    if selection is None or not selection.candidates:
+        return f"selection: {selection.reason if selection else 'by replay (a bank from before measured selection)'}"
+    lines = [f"selection on {selection.held_out} held-out prompts (tokens/s and tau: replayed / measured):"]
+    for c in sorted(selection.candidates, key=lambda c: -c.measured_tokens_per_s):
+        nodes = f"{c.nodes} nodes" if c.nodes else "switching"
+        lines.append(f"  {c.name:<20} {nodes:>10}  {c.replayed_tokens_per_s:7.1f} / {c.measured_tokens_per_s:7.1f} "
+                     f"tok/s  {c.replayed_tau:5.2f} / {c.measured_tau:5.2f} tau")
+    return "\n".join([*lines, selection.reason])
+
+
 def default_bank_path(model_name: str, task: str) -> Path:
     """Where the bank for a model and task ships: assets/banks/<model>/<task>.json."""
     return shipped_bank(model_name, task)

@@ -37,7 +37,8 @@ from entmtp_ray.bench.throughput import BASELINES as THROUGHPUT_BASELINES
 from entmtp_ray.bench.throughput import OURS as THROUGHPUT_OURS
 from entmtp_ray.bench.throughput import HFContinuous, HFStatic, LlamaCppOne, check_greedy, run_all, summarize
 from entmtp_ray.bench.throughput import markdown as throughput_markdown
-from entmtp_ray.calibrate.bank import current_hardware, load_bank, resolve_bank_path, warn_if_other_hardware
+from entmtp_ray.calibrate.bank import (current_hardware, load_bank, resolve_bank_path, selection_report,
+                                       warn_if_other_hardware)
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL, DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.loading import available_depth, draft_vocab_for
@@ -186,6 +187,8 @@ def main(argv=None) -> int:
         setup["AR step / weight read"] = round(ar_step / floor_s, 2)
     report = write_report([output / "rows"], output, setup)
     print(throughput_tables(report), flush=True)
+    if bank is not None:
+        print(f"\nbank {bank_path}: {selection_report(bank)}", flush=True)
     differs = sorted({(r["id"], r["policy"]) for r in rows if r["matches_ar"] == "differs"})
     ties = sorted({(r["id"], r["policy"]) for r in rows if r["matches_ar"] == "tie"})
     if ties:

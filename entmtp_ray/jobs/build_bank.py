@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 
-from entmtp_ray.calibrate.bank import save_bank
+from entmtp_ray.calibrate.bank import save_bank, selection_report
 from entmtp_ray.pipeline.calibration import CalibrationRow, build_bank
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig, PoolConfig, ProcessorConfig
@@ -77,20 +77,6 @@ def calibration_prompts(tasks: list[str], dataset: str | None, split: str, promp
         ids = [f"{task}:{i}" for i in table.column("id").to_pylist()]
         parts.append(table.set_column(0, "id", pa.array(ids, pa.string())))
     return pa.concat_tables(parts)
-
-
-def selection_table(bank) -> str:
-    """How the bank's policy was chosen: per measured candidate, replayed vs measured tokens/s and tau on the
-    held-out prompts (how well the replay predicted), and the reason."""
-    selection = bank.selection
-    if selection is None or not selection.candidates:
-        return f"selection: {selection.reason if selection else 'by replay (a bank from before measured selection)'}"
-    lines = [f"selection on {selection.held_out} held-out prompts (tokens/s and tau: replayed / measured):"]
-    for c in sorted(selection.candidates, key=lambda c: -c.measured_tokens_per_s):
-        nodes = f"{c.nodes} nodes" if c.nodes else "switching"
-        lines.append(f"  {c.name:<20} {nodes:>10}  {c.replayed_tokens_per_s:7.1f} / {c.measured_tokens_per_s:7.1f} "
-                     f"tok/s  {c.replayed_tau:5.2f} / {c.measured_tau:5.2f} tau")
-    return "\n".join([*lines, selection.reason])
 
 
 def main(argv=None) -> int:
@@ -149,7 +135,7 @@ def main(argv=None) -> int:
                                     "seed": args.seed})
     save_bank(built.bank, args.out)
     policy = built.bank.policy
-    print(selection_table(built.bank), file=sys.stderr)
+    print(selection_report(built.bank), file=sys.stderr)
     print(json.dumps({"bank": args.out, "frontier": {n: built.stats[n] for n in built.frontier},
                       "star": policy.star, "signal": policy.signal, "seconds": time.time() - started}))
     return 0
