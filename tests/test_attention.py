@@ -67,6 +67,42 @@ def test_a_trees_rows_are_the_one_token_steps_bit_for_bit_in_bf16(prompt):
     assert result["rows_bitwise"] == result["rows"] > 6, result
 
 
+def random_tree(rng, nodes: int, depth: int = 4):
+    """A random valid draft tree of `nodes` nodes: each new node the next rank under a random node above depth."""
+    from entmtp_ray.decode.tree import make_topology
+
+    paths, children = [], {(): 0}
+    while len(paths) + 1 < nodes:
+        parent = rng.choice([p for p in children if len(p) < depth])
+        child = (*parent, children[parent])
+        children[parent] += 1
+        children[child] = 0
+        paths.append(child)
+    return make_topology(paths, f"random{nodes}")
+
+
+@pytest.mark.slow
+def test_random_trees_rows_are_the_one_token_steps_bit_for_bit_on_random_prompts_in_bf16():
+    """The property behind greedy = AR without a tie rule (issue 39): for random trees (up to 32 nodes, the rows
+    oneDNN's packed products round alike on any host) and random prompts, every accepted-path row of a tree's
+    verify (the rank-0 chain holding the greedy continuation) equals the one-token step at its position in every
+    operation, its kept k/v and its logits, bit for bit."""
+    import random
+
+    from entmtp_ray.jobs.first_parting import find_partings, summary
+    from entmtp_ray.model.loading import load_model
+
+    loaded = load_model(dtype="bf16", device="cpu")
+    rng = random.Random(39)
+    words = ("river", "prime", "def", "sum", "(", ")", "list", "the", "band", "signed", "return", "7", "+", "=",
+             "why", "explain", "sort", "Mr", "conductor", "digits", "\n", ":", "of", "a")
+    for case in range(4):
+        tree = random_tree(rng, rng.randint(2, 32))
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
+        result = summary(find_partings(loaded, loaded.encode_prompt(prompt), tree, 3))
+        assert result["rows_bitwise"] == result["rows"] > 0, (case, tree.paths, prompt, result)
+
+
 @pytest.mark.slow
 def test_greedy_through_every_tree_is_ar_token_for_token_in_bf16():
     """No tie rule: Hydra's and Medusa's trees and a bank's policy give AR's bf16 tokens exactly."""

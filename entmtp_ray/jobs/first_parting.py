@@ -158,8 +158,9 @@ def find_partings(loaded, prompt_ids: list[int], topology: Topology, steps: int)
     model, device, cfg = loaded.model, loaded.device, loaded.model.config
     plan, verifier = prepare(model), DynamicVerifier(model)
     chain = chain_nodes(topology)
-    depth, p = len(chain) - 1, len(prompt_ids)
-    capacity = p + steps + depth + max(topology.num_nodes, ONE_TOKEN_ROWS)
+    # the greedy continuation reaches the tree's depth: a node off the chain may lie deeper than the chain does
+    reach, p = topology.depth, len(prompt_ids)
+    capacity = p + steps + reach + max(topology.num_nodes, ONE_TOKEN_ROWS)
     cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, loaded.dtype, device)
     buffers = build_buffers(topology, device)
     checks = []
@@ -169,12 +170,12 @@ def find_partings(loaded, prompt_ids: list[int], topology: Topology, steps: int)
         hidden = forward_hidden(model, cache, prompt, torch.arange(p, device=device), plan=plan)  # [p, H]
         cache.commit(p)
         root = int(plan.lm_head(hidden[-1]).argmax())
-        greedy, traces, logits = one_token_steps(verifier, cache, plan, root, steps + depth)
+        greedy, traces, logits = one_token_steps(verifier, cache, plan, root, steps + reach)
         # 2) at each position, the tree over a copy of the cache there, its chain's rows recorded
         for position in range(steps):
             committed = p + position
             tree_cache = _copy_prefix(cache, committed)
-            tokens = tree_tokens(topology, chain, greedy[position:position + depth + 1], cfg.vocab_size).to(device)
+            tokens = tree_tokens(topology, chain, greedy[position:position + reach + 1], cfg.vocab_size).to(device)
             recorder = Recorder(chain)
             with probed(recorder):
                 verified = verifier([Tree(tree_cache, buffers, tokens, plan)])[0]
