@@ -10,7 +10,7 @@ in fp32: a tree row's keys (the prefix, then its ancestors) are the one-token st
 where the products are row-invariant too (bf16 on CPU, §8) the tree's rows are the steps' bit for bit.
 
 The kernel is C++ built on first use by torch's extension loader (a C++ compiler and ninja; about 40 s, cached per
-machine under ENTMTP_CACHE, or TORCH_EXTENSIONS_DIR when set; a build lock a killed build left is removed once
+machine in torch's extensions folder, TORCH_EXTENSIONS_DIR when set; a build lock a killed build left is removed once
 stale). Where it cannot be built, `fixed_order_ready()` is False, a warning says why once, and the forward keeps
 SDPA (greedy output then equals AR's up to float ties, as before); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA by
 choice (a host where SDPA is faster and ties are acceptable).
@@ -153,11 +153,11 @@ def _build():
 
 
 def build_folder() -> Path:
-    """Where the kernel is built and cached: under TORCH_EXTENSIONS_DIR when set, else the package's cache
-    (ENTMTP_CACHE), one folder per kernel and torch version."""
-    from entmtp_ray.model.loading import cache_dir  # loading imports this module's importers
+    """Where the kernel is built and cached: torch's extensions folder (TORCH_EXTENSIONS_DIR when set, else
+    ~/.cache/torch_extensions), one folder per kernel and torch version, shared by every process of the machine."""
+    from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / f"{_NAME}-torch{torch.__version__}"
 
 
