@@ -289,7 +289,9 @@ def build_bank(engine: Engine, rows: list[CalibrationRow], timing_prompts: list,
 
 
 def _hydra_tree(depth: int) -> Topology | None:
-    """Hydra's tree, a candidate the bank must beat; None where it is deeper than the heads."""
+    """Hydra's tree, a candidate the bank must beat; None where it is deeper than the heads. Its replay reads
+    tables that keep MAX_RANKS ranks, 8 below depth 1, where it has ranks 8 and 9: its replayed figures count those
+    rare acceptances as misses; the measured ones, which choose, are exact."""
     try:
         return load_topology(HYDRA, max_depth=depth)
     except ValueError:
