@@ -230,13 +230,15 @@ def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     first = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     bank = load_bank(out, max_depth=4)
-    assert bank.task == "gsm8k" and bank.calibration["prompts"] == 4 and bank.hardware.threads == 1
+    assert bank.task == "gsm8k" and bank.hardware.threads == 1
+    assert (bank.calibration["prompts"], bank.calibration["held_out"]) == (3, 1) and bank.selection.by == "measured"
+    assert "selection on 1 held-out prompts" in first.stderr  # the replayed and measured figures, as a table
     assert bank.calibration["source"] == "gsm8k: gsm8k_train_200.jsonl (a local copy)"  # no path of this machine
     nodes = [t.nodes for t in bank.trees]
     assert nodes == sorted(nodes) and nodes[0] == 1 and max(nodes) <= 8
     taus = [t.tau for t in bank.trees]
     assert taus == sorted(taus), "the frontier's accepted length grows with its nodes"
-    for name in ("tables.json", "step_seconds.json", "sweep.json"):
+    for name in ("tables.json", "step_seconds.json", "measured.json", "sweep.json"):
         assert (work / name).is_file(), name
     timing = json.loads((work / "step_seconds.json").read_text())
     trees = set(timing["steps"])

@@ -11,7 +11,7 @@ import pytest
 CLI = [sys.executable, "-m", "entmtp_ray", "generate"]
 
 
-def run_cli(*args, timeout=300):
+def run_cli(*args, timeout=900):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 

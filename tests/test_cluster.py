@@ -233,7 +233,7 @@ def test_gpu_nodes_scale_up_for_the_job_and_down_when_idle(fake_cluster, tiny_mo
              "--device", "cpu", "--output-shared",
              "--address", address, "--gpus-per-actor", "1", "--cpus-per-actor", "1",
              "--min-actors", "1", "--max-actors", "2", "--policy", "ar", "--max-new-tokens", "8"],
-            capture_output=True, text=True, env=env, timeout=240)
+            capture_output=True, text=True, env=env, timeout=600)
     finally:
         done.set()
         watcher.join()

@@ -56,6 +56,6 @@ def test_the_installed_wheel_generates_outside_the_checkout_with_its_shipped_hea
 def test_the_console_scripts_are_installed_and_start(installed, tmp_path, script):
     site, env = installed
     run = subprocess.run([str(site / "bin" / script), "--help"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "usage:" in run.stdout

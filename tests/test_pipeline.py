@@ -57,7 +57,7 @@ def job_args(dirs, dataset, output, *extra):
             "--output", str(output), *extra]
 
 
-def run_job(args, env=None, timeout=300):
+def run_job(args, env=None, timeout=900):  # a hang guard: under `make test` two tests run at once
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     return proc
 
