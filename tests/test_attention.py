@@ -33,6 +33,28 @@ def test_a_row_is_a_function_of_its_own_keys_whatever_else_the_call_holds(dtype)
         assert torch.equal(padded[:, 0], together[:, r])
 
 
+@pytest.mark.parametrize("rows, keys, hd", [(7, 37, 48), (1, 16, 64), (5, 200, 80)])
+def test_neither_the_thread_count_nor_the_blocking_changes_a_bit(rows, keys, hd):
+    """Rows, keys and head sizes off the kernel's blocks (4 rows, 16 keys, 16 lanes of d): each row equals itself
+    computed alone, and 1 thread equals 2 (the passes split across threads by blocks)."""
+    q, k, v = _qkv(torch.bfloat16, rows=rows, keys=keys, hd=hd, seed=2)
+    k[:, 3] *= 40  # a key whose score dwarfs the others: the rest of its row's weights underflow
+    mask = torch.rand(rows, keys, generator=torch.Generator().manual_seed(3)) < 0.7
+    mask[:, 0] = True
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fixed_order_attention(q, k, v, mask, 0.125)
+        torch.set_num_threads(2)
+        two = fixed_order_attention(q, k, v, mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    for r in range(rows):
+        own = mask[r].nonzero()[:, 0]
+        assert torch.equal(fixed_order_attention(q[:, r:r + 1], k[:, own], v[:, own], None, 0.125)[:, 0], one[:, r])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_it_computes_what_sdpa_computes(dtype):
     q, k, v = _qkv(dtype)

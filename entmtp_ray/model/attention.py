@@ -9,9 +9,16 @@ order (a vector lane per key), and its softmax sum and weighted sum run over its
 in fp32: a tree row's keys (the prefix, then its ancestors) are the one-token step's keys in the same order, so
 where the products are row-invariant too (bf16 on CPU, §8) the tree's rows are the steps' bit for bit.
 
-The kernel is C++ built on first use by torch's extension loader (a C++ compiler and ninja; about 40 s, cached per
-machine in torch's extensions folder, TORCH_EXTENSIONS_DIR when set; a build lock a killed build left is removed once
-stale). Where it cannot be built, `fixed_order_ready()` is False, a warning says why once, and the forward keeps
+Speed without giving that up: operands are converted to fp32 once per call; four rows of a head share every key
+and value load (scores in blocks of 4 rows x 16 keys, the weighted sum in blocks of 4 rows x 16 lanes of d, held
+in vector registers); e^x is a polynomial evaluated lane by lane; and the three passes split across torch's
+threads (OpenMP) by blocks that never split one row's ordered sums. Lanes never mix: whatever the blocking, a
+row's arithmetic is the same sequence of one-rounding operations, with no contraction into FMA
+(-ffp-contract=off), so neither the thread count nor the row count changes a bit.
+
+The kernel is C++ built on first use by torch's extension loader (a C++ compiler with OpenMP, and ninja; about
+40 s, cached per machine in torch's extensions folder, TORCH_EXTENSIONS_DIR when set; a build lock a killed build
+left is removed once stale). Where it cannot be built, `fixed_order_ready()` is False, a warning says why once, and the forward keeps
 SDPA (greedy output then equals AR's up to float ties, as before); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA by
 choice (a host where SDPA is faster and ties are acceptable).
 """
@@ -33,7 +40,7 @@ log = logging.getLogger(__name__)
 # fp32 stays on SDPA: its products are not row-invariant on CPU anyway (MKL blocks by row count, §7), and fp32
 # ties are rare enough that the tie rule covers them
 DTYPES = (torch.bfloat16, torch.float16)
-_NAME = "entmtp_fixed_order_attention_v3"  # a new kernel text needs a new name: the loader caches builds by name
+_NAME = "entmtp_fixed_order_attention_v6"  # a new kernel text needs a new name: the loader caches builds by name
 # torch's loader holds a `lock` file in the build folder while it compiles and waits, with no time limit, for any
 # lock it finds; a process killed mid-build (a Ray actor at the end of its job) leaves one behind, and every later
 # process on the machine then hung at its first bf16 forward. A build takes about 40 s: a lock older than this was
@@ -47,60 +54,157 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
-constexpr int64_t KEY_BLOCK = 64;
+// GCC/Clang vector types: one lane per key (scores) or per d (weighted sum), elementwise arithmetic only, so every
+// lane rounds as a scalar would; 8 floats (AVX2; split in two on SSE-only or NEON hosts)
+constexpr int64_t W = 8;
+typedef float vec __attribute__((vector_size(W * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(W * sizeof(float)), aligned(alignof(float))));
+static inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
+static inline void store(float* p, vec x) { *reinterpret_cast<vec_unaligned*>(p) = x; }
+static inline vec splat(float x) { return vec{} + x; }
 
-// q [kv, R, hd]; k, v [kv, L, hd] (views of a cache: unit stride in hd); mask [R, L] bool, or empty for every key.
+typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
+
+// e^x lane by lane, for the softmax's x = score - max (<= 0 on a row's own keys; a masked key's lane may be
+// anything, and is zeroed after): x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact n ln2), e^r by a
+// degree-7 polynomial (Cephes' expf coefficients, within 2 ulp), 2^n in the exponent bits. Below -87 (e^x <
+// 1.7e-38) it gives 0, above 0 it gives 1: a softmax weight that small adds nothing a bf16 output keeps
+static inline vec exp_nonpositive(vec x) {
+  const ivec under = x < splat(-87.f);
+  x = under ? splat(-87.f) : x;
+  x = x > splat(0.f) ? splat(0.f) : x;
+  vec t = x * splat(1.44269504088896341f) + splat(0.5f);
+  vec n = __builtin_convertvector(__builtin_convertvector(t, ivec), vec);  // toward zero: floor for t < 0
+  n = n > t ? n - splat(1.f) : n;
+  vec r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vec y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.f);
+  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  y = y * reinterpret_cast<vec&>(bits);
+  return under ? splat(0.f) : y;
+}
+
+constexpr int64_t RB = 4;   // query rows of one head per block: they share every key and value they load
+constexpr int64_t KB = 16;  // keys per block of scores held in registers
+constexpr int64_t DB = 16;  // head-dimension lanes per block of the weighted sum held in registers
+
+static float* grown(std::vector<float>& buffer, int64_t n) {
+  if (buffer.size() < static_cast<size_t>(n)) buffer.resize(n);
+  return buffer.data();
+}
+
+// q [kv, R, hd]; k, v [kv, L, hd] (views of a cache: unit stride in hd); mask [R, L] bool, or null for every key.
+// Three passes, each split across threads by blocks whose arithmetic per row is the same whatever the split: scores
+// (a row's sum over d in order, one lane per key), the softmax (a row's keys in position order), the weighted sum
+// (one lane per d, a row's keys in position order). A masked key adds an exact zero to a row's weighted sum (its
+// sum starts at +0 and stays off -0, so adding +-0 leaves it as it was): no branch in the vector loop.
 template <typename T>
 static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t kv, int64_t R,
                    int64_t hd, int64_t L, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, float scale) {
-  // each head's keys transposed to fp32, once per call, into this thread's buffer (kept: a fresh one per call
-  // would be mapped and faulted in by the allocator every time)
-  thread_local std::vector<float> kt;
-  if (kt.size() < static_cast<size_t>(kv * hd * L)) kt.resize(kv * hd * L);
-  at::parallel_for(0, kv * L, 16, [&](int64_t begin, int64_t end) {
+  const int64_t Lp = (L + KB - 1) / KB * KB, nb = (R + RB - 1) / RB, Rp = nb * RB, hp = (hd + DB - 1) / DB * DB;
+  // fp32 operands in this (calling) thread's buffers, kept between calls: a fresh one per call would be mapped and
+  // faulted in by the allocator every time. Workers see them through these pointers (their own thread_local
+  // copies would be empty)
+  thread_local std::vector<float> kb, vb, qb, sb;
+  float* kt = grown(kb, kv * hd * Lp);  // keys transposed, [kv, hd, Lp], zero past L
+  float* vf = grown(vb, kv * L * hp);   // values [kv, L, hp], zero past hd
+  float* qf = grown(qb, kv * Rp * hd);  // queries [kv, Rp, hd], zero past R
+  float* s = grown(sb, kv * Rp * Lp);   // scores, then probabilities (zero where masked), [kv, Rp, Lp]
+  at::parallel_for(0, kv * Lp, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      int64_t h = i / L, j = i % L;
+      int64_t h = i / Lp, j = i % Lp;
+      if (j >= L) {
+        for (int64_t d = 0; d < hd; ++d) kt[(h * hd + d) * Lp + j] = 0.f;
+        continue;
+      }
       const T* kj = k + h * ks0 + j * ks1;
-      for (int64_t d = 0; d < hd; ++d) kt[(h * hd + d) * L + j] = static_cast<float>(kj[d]);
+      const T* vj = v + h * vs0 + j * vs1;
+      float* vo = vf + (h * L + j) * hp;
+      for (int64_t d = 0; d < hd; ++d) {
+        kt[(h * hd + d) * Lp + j] = static_cast<float>(kj[d]);
+        vo[d] = static_cast<float>(vj[d]);
+      }
+      for (int64_t d = hd; d < hp; ++d) vo[d] = 0.f;
     }
   });
+  for (int64_t h = 0; h < kv; ++h)
+    for (int64_t r = 0; r < Rp; ++r)
+      for (int64_t d = 0; d < hd; ++d) qf[(h * Rp + r) * hd + d] = r < R ? static_cast<float>(q[(h * R + r) * hd + d]) : 0.f;
+
+  const int64_t nk = Lp / KB;
+  at::parallel_for(0, kv * nb * nk, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t h = i / (nb * nk), b = i / nk % nb, j0 = i % nk * KB;
+      const float* qr = qf + (h * Rp + b * RB) * hd;
+      const float* kh = kt + h * hd * Lp + j0;
+      vec a[RB][KB / W] = {};
+      // each score summed over d in order, one multiply then one add (no contraction: -ffp-contract=off)
+      for (int64_t d = 0; d < hd; ++d) {
+        vec kd[KB / W];
+        for (int64_t u = 0; u < KB / W; ++u) kd[u] = load(kh + d * Lp + u * W);
+        for (int64_t rr = 0; rr < RB; ++rr) {
+          vec qd = splat(qr[rr * hd + d]);
+          for (int64_t u = 0; u < KB / W; ++u) a[rr][u] = a[rr][u] + qd * kd[u];
+        }
+      }
+      for (int64_t rr = 0; rr < RB; ++rr)
+        for (int64_t u = 0; u < KB / W; ++u) store(s + (h * Rp + b * RB + rr) * Lp + j0 + u * W, a[rr][u]);
+    }
+  });
+
+  std::vector<float> total(kv * Rp, 1.f);
   at::parallel_for(0, kv * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(L), acc(hd), qf(hd);
     for (int64_t i = begin; i < end; ++i) {
       int64_t h = i / R, r = i % R;
-      const T* qr = q + (h * R + r) * hd;
-      const float* kh = kt.data() + h * hd * L;
-      // scores: one lane per key, each summed over d in order (no reassociation: -ffp-contract=off, no fast-math)
-      for (int64_t d = 0; d < hd; ++d) qf[d] = static_cast<float>(qr[d]);
-      for (int64_t j0 = 0; j0 < L; j0 += KEY_BLOCK) {  // a block of keys' scores held in registers over d
-        int64_t w = std::min<int64_t>(KEY_BLOCK, L - j0);
-        float acc[KEY_BLOCK] = {0.f};
-        for (int64_t d = 0; d < hd; ++d) {
-          float qd = qf[d];
-          const float* kd = kh + d * L + j0;
-          for (int64_t t = 0; t < w; ++t) acc[t] += qd * kd[t];
-        }
-        for (int64_t t = 0; t < w; ++t) s[j0 + t] = acc[t];
-      }
+      float* sr = s + (h * Rp + r) * Lp;
       const bool* mr = mask ? mask + r * L : nullptr;
       float m = -INFINITY;
+      for (int64_t j = 0; j < L; ++j)
+        if (!mr || mr[j]) m = std::max(m, sr[j] * scale);
+      const vec sv = splat(scale), mv = splat(m);
+      for (int64_t j = 0; j < Lp; j += W) store(sr + j, exp_nonpositive(load(sr + j) * sv - mv));
+      float l = 0.f;  // the softmax sum over the row's own keys, in position order
       for (int64_t j = 0; j < L; ++j) {
-        if (mr && !mr[j]) continue;
-        s[j] *= scale;
-        m = s[j] > m ? s[j] : m;
+        if (mr && !mr[j]) sr[j] = 0.f;
+        else l += sr[j];
       }
-      // the softmax sum and the weighted sum over the row's own keys, in position order
-      float l = 0.f;
-      for (int64_t d = 0; d < hd; ++d) acc[d] = 0.f;
-      for (int64_t j = 0; j < L; ++j) {
-        if (mr && !mr[j]) continue;
-        float p = std::exp(s[j] - m);
-        l += p;
-        const T* vj = v + h * vs0 + j * vs1;
-        for (int64_t d = 0; d < hd; ++d) acc[d] += p * static_cast<float>(vj[d]);
+      total[h * Rp + r] = l;
+    }
+  });
+  // rows past R have zero queries and probabilities never set: give them zeros (their sums are not read)
+  for (int64_t h = 0; h < kv; ++h)
+    for (int64_t r = R; r < Rp; ++r) std::fill(s + (h * Rp + r) * Lp, s + (h * Rp + r + 1) * Lp, 0.f);
+
+  const int64_t nd = hp / DB;
+  at::parallel_for(0, kv * nb * nd, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t h = i / (nb * nd), b = i / nd % nb, d0 = i % nd * DB;
+      const float* pb = s + (h * Rp + b * RB) * Lp;
+      const float* vh = vf + h * L * hp + d0;
+      vec a[RB][DB / W] = {};
+      for (int64_t j = 0; j < L; ++j) {  // the weighted sum over keys in position order
+        vec vj[DB / W];
+        for (int64_t u = 0; u < DB / W; ++u) vj[u] = load(vh + j * hp + u * W);
+        for (int64_t rr = 0; rr < RB; ++rr) {
+          vec p = splat(pb[rr * Lp + j]);
+          for (int64_t u = 0; u < DB / W; ++u) a[rr][u] = a[rr][u] + p * vj[u];
+        }
       }
-      T* o = out + (h * R + r) * hd;
-      for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<T>(acc[d] / l);
+      float lanes[RB][DB];
+      for (int64_t rr = 0; rr < RB; ++rr)
+        for (int64_t u = 0; u < DB / W; ++u) store(lanes[rr] + u * W, a[rr][u]);
+      for (int64_t rr = 0; rr < RB && b * RB + rr < R; ++rr) {
+        int64_t r = b * RB + rr;
+        T* o = out + (h * R + r) * hd;
+        float l = total[h * Rp + r];
+        for (int64_t t = 0; t < DB && d0 + t < hd; ++t) o[d0 + t] = static_cast<T>(lanes[rr][t] / l);
+      }
     }
   });
 }
@@ -141,7 +245,8 @@ def _build():
                 folder.mkdir(parents=True, exist_ok=True)
                 wait_for_build_lock(folder / "lock", STALE_BUILD_LOCK_S)
                 _kernel = load_inline(_NAME, cpp_sources=[_SOURCE], functions=["fixed_order_attention"],
-                                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+                                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                                      extra_ldflags=["-fopenmp"],
                                       build_directory=str(folder))
             except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: SDPA serves instead
                 log.warning("fixed-order attention could not be built (%s: %s); bf16/fp16 on CPU keeps SDPA, whose "
