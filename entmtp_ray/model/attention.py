@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # fp32 stays on SDPA: its products are not row-invariant on CPU anyway (MKL blocks by row count, §7), and fp32
 # ties are rare enough that the tie rule covers them
 DTYPES = (torch.bfloat16, torch.float16)
-_NAME = "entmtp_fixed_order_attention_v6"  # a new kernel text needs a new name: the loader caches builds by name
+_NAME = "entmtp_fixed_order_attention_v7"  # a new kernel text needs a new name: the loader caches builds by name
 # torch's loader holds a `lock` file in the build folder while it compiles and waits, with no time limit, for any
 # lock it finds; a process killed mid-build (a Ray actor at the end of its job) leaves one behind, and every later
 # process on the machine then hung at its first bf16 forward. A build takes about 40 s: a lock older than this was
@@ -62,8 +62,9 @@ typedef float vec_unaligned __attribute__((vector_size(W * sizeof(float)), align
 static inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
 static inline void store(float* p, vec x) { *reinterpret_cast<vec_unaligned*>(p) = x; }
 static inline vec splat(float x) { return vec{} + x; }
-
 typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
+typedef int32_t ivec_unaligned __attribute__((vector_size(W * sizeof(int32_t)), aligned(alignof(int32_t))));
+static inline ivec loadi(const int32_t* p) { return *reinterpret_cast<const ivec_unaligned*>(p); }
 
 // e^x lane by lane, for the softmax's x = score - max (<= 0 on a row's own keys; a masked key's lane may be
 // anything, and is zeroed after): x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact n ln2), e^r by a
@@ -111,7 +112,7 @@ static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out,
   // fp32 operands in this (calling) thread's buffers, kept between calls: a fresh one per call would be mapped and
   // faulted in by the allocator every time. Workers see them through these pointers (their own thread_local
   // copies would be empty)
-  thread_local std::vector<float> kb, vb, qb, sb;
+  thread_local std::vector<float> kb, vb, qb, sb, mb;
   float* kt = grown(kb, kv * hd * Lp);  // keys transposed, [kv, hd, Lp], zero past L
   float* vf = grown(vb, kv * L * hp);   // values [kv, L, hp], zero past hd
   float* qf = grown(qb, kv * Rp * hd);  // queries [kv, Rp, hd], zero past R
@@ -158,28 +159,38 @@ static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out,
     }
   });
 
+  // which keys each row sees, as vector lanes: -1 for a key of its own, 0 for a masked key, a padding key or row
+  int32_t* keep = reinterpret_cast<int32_t*>(grown(mb, Rp * Lp));
+  for (int64_t r = 0; r < Rp; ++r)
+    for (int64_t j = 0; j < Lp; ++j) keep[r * Lp + j] = r < R && j < L && (!mask || mask[r * L + j]) ? -1 : 0;
   std::vector<float> total(kv * Rp, 1.f);
-  at::parallel_for(0, kv * R, 1, [&](int64_t begin, int64_t end) {
+  const vec sv = splat(scale);
+  at::parallel_for(0, kv * nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      int64_t h = i / R, r = i % R;
-      float* sr = s + (h * Rp + r) * Lp;
-      const bool* mr = mask ? mask + r * L : nullptr;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < L; ++j)
-        if (!mr || mr[j]) m = std::max(m, sr[j] * scale);
-      const vec sv = splat(scale), mv = splat(m);
-      for (int64_t j = 0; j < Lp; j += W) store(sr + j, exp_nonpositive(load(sr + j) * sv - mv));
-      float l = 0.f;  // the softmax sum over the row's own keys, in position order
-      for (int64_t j = 0; j < L; ++j) {
-        if (mr && !mr[j]) sr[j] = 0.f;
-        else l += sr[j];
+      int64_t h = i / nb, r0 = i % nb * RB;
+      for (int64_t rr = 0; rr < RB; ++rr) {
+        float* sr = s + (h * Rp + r0 + rr) * Lp;
+        const int32_t* on = keep + (r0 + rr) * Lp;
+        vec most = splat(-INFINITY);  // the row's largest scaled score (a max: exact in any order)
+        for (int64_t j = 0; j < Lp; j += W) {
+          vec x = load(sr + j) * sv;
+          most = (loadi(on + j) & (x > most)) ? x : most;
+        }
+        float m = -INFINITY;
+        for (int64_t w = 0; w < W; ++w) m = std::max(m, most[w]);
+        const vec mv = splat(m);
+        for (int64_t j = 0; j < Lp; j += W)
+          store(sr + j, loadi(on + j) ? exp_nonpositive(load(sr + j) * sv - mv) : splat(0.f));
       }
-      total[h * Rp + r] = l;
+      // the softmax sums over each row's keys in position order (a masked key adds +0: no change), the block's
+      // rows as independent chains
+      float l[RB] = {};
+      const float* pb = s + (h * Rp + r0) * Lp;
+      for (int64_t j = 0; j < L; ++j)
+        for (int64_t rr = 0; rr < RB; ++rr) l[rr] += pb[rr * Lp + j];
+      for (int64_t rr = 0; rr < RB; ++rr) total[h * Rp + r0 + rr] = l[rr];
     }
   });
-  // rows past R have zero queries and probabilities never set: give them zeros (their sums are not read)
-  for (int64_t h = 0; h < kv; ++h)
-    for (int64_t r = R; r < Rp; ++r) std::fill(s + (h * Rp + r) * Lp, s + (h * Rp + r + 1) * Lp, 0.f);
 
   const int64_t nd = hp / DB;
   at::parallel_for(0, kv * nb * nd, 1, [&](int64_t begin, int64_t end) {
