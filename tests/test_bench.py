@@ -129,23 +129,33 @@ def test_verify_cost_times_each_tree_on_the_models_device(tiny_model_dirs):
                                      {1: load_topology("ar"), 64: load_topology("hydra")}, repeats=2)
     assert set(costs) == {1, 64} and all(ms > 0 for ms in costs.values())
 def test_attention_costs_time_sdpa_and_the_fixed_order_attention_side_by_side(tiny_model_dirs, capsys):
-    """--attention-costs: a row per prefix and attention, a JSON line with both; refused (exit 2) where the
-    fixed-order attention does not serve the dtype (fp32)."""
+    """--attention-costs: a row per prefix and attention, a JSON line with both; with a bank, its entmtp-tau's
+    decodes with each attention, the fixed-order one equal to AR's; refused (exit 2) where the fixed-order
+    attention does not serve the dtype (fp32)."""
+    from entmtp_ray.calibrate.bank import bank_policy, load_bank
+    from entmtp_ray.config import DecodingConfig, ModelConfig
     from entmtp_ray.model.attention import fixed_order_ready
-    from entmtp_ray.model.loading import load_model
+    from entmtp_ray.pipeline.assemble import load_stack
 
     if not fixed_order_ready():
         pytest.skip("the fixed-order attention kernel could not be built")
-    loaded = load_model(str(tiny_model_dirs[0]), dtype="bf16", device="cpu")
-    prompts = [loaded.encode_prompt("Hello there"), loaded.encode_prompt("Hello there, " * 20)]
-    assert bench_engine.attention_costs(loaded, prompts, 1) == 0
+    model, heads = (str(d) for d in tiny_model_dirs)
+    stack = load_stack(ModelConfig(model=model, heads=heads, dtype="bf16", device="cpu"), with_heads=True)
+    policy = bank_policy(DecodingConfig(policy="entmtp-tau"), load_bank(shipped_bank("smollm2-135m-instruct",
+                                                                                      "general")))
+    prompts = [stack.loaded.encode_prompt("Hello there"), stack.loaded.encode_prompt("Hello there, " * 20)]
+    assert bench_engine.attention_costs(stack, prompts, 1, policy, max_new_tokens=12) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    figures = json.loads(out[-1])["verify_ms"]
+    summary = json.loads(out[-1])
+    figures = summary["verify_ms"]
     assert set(figures) == {str(len(p)) for p in prompts}
     assert all(set(f) == {"sdpa", "fixed-order"} and all(ms > 0 for ms in f["sdpa"].values()) for f in figures.values())
     assert sum(line.startswith("| ") for line in out) == 1 + 2 * len(prompts)  # the header, a row per pair
-    assert bench_engine.attention_costs(load_model(str(tiny_model_dirs[0]), dtype="fp32", device="cpu"),
-                                        prompts, 1) == 2
+    speeds = summary["policy"]
+    assert speeds["fixed-order"]["equal_to_ar"] == len(prompts) and speeds["sdpa"]["tokens_per_s"] > 0
+    assert any(line.startswith("entmtp-tau tokens/s") for line in out)
+    fp32 = load_stack(ModelConfig(model=model, heads=heads, dtype="fp32", device="cpu"), with_heads=False)
+    assert bench_engine.attention_costs(fp32, prompts, 1) == 2
     assert "pass --dtype bf16" in capsys.readouterr().err
 
 

@@ -14,6 +14,7 @@ repeats. The last stdout line is a JSON summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -22,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from entmtp_ray.calibrate.bank import load_bank
+from entmtp_ray.calibrate.bank import bank_policy, load_bank
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.results import PHASES
@@ -171,9 +172,11 @@ def tree_costs(stack, prompt_ids: list[int], with_llama_cpp: bool, repeats: int)
     return 0
 
 
-def attention_costs(loaded, prompts: list[list[int]], repeats: int) -> int:
+def attention_costs(stack, prompts: list[list[int]], repeats: int, policy=None, max_new_tokens: int = 128) -> int:
     """Print (and end with a JSON line of) verify ms by tree size with SDPA and with the fixed-order attention
-    (model/attention.py), after each prompt: rounds of both in turn, medians over the rounds."""
+    (model/attention.py), after each prompt: rounds of both in turn, medians over the rounds; with `policy` (a
+    bank's entmtp-tau), also its decode speed with each (policy_speeds)."""
+    loaded = stack.loaded
     with torch.inference_mode():  # as a verify runs
         serves = uses_fixed_order(torch.zeros(1, dtype=loaded.dtype, device=loaded.device))
     if not serves:
@@ -194,9 +197,41 @@ def attention_costs(loaded, prompts: list[list[int]], repeats: int) -> int:
         costs[len(ids)] = {name: {n: statistics.median(r[n] for r in rs) for n in trees} for name, rs in rounds.items()}
         for name, by_size in costs[len(ids)].items():
             print(f"| {len(ids)} | {name} | " + " | ".join(f"{ms:.2f}" for ms in by_size.values()) + " |")
-    print(json.dumps({"verify_ms": costs, "dtype": str(loaded.dtype).removeprefix("torch."),
-                      "threads": torch.get_num_threads(), "repeats": repeats}))
+    summary = {"verify_ms": costs, "dtype": str(loaded.dtype).removeprefix("torch."),
+               "threads": torch.get_num_threads(), "repeats": repeats}
+    if policy is not None:
+        summary["policy"] = policy_speeds(stack, policy, prompts, max_new_tokens, repeats)
+    print(json.dumps(summary))
     return 0
+
+
+def policy_speeds(stack, policy, prompts: list[list[int]], max_new_tokens: int, repeats: int) -> dict:
+    """Greedy decodes of every prompt by `policy` and by AR with SDPA and with the fixed-order attention, in turn
+    (`repeats` rounds): each attention's median tokens/s of the policy, and how many of its outputs equal AR's
+    with the same attention (the fixed-order one: every one)."""
+    decoders = {"policy": stack.decoder(policy), "ar": stack.decoder(FixedTree("ar", load_topology("ar")))}
+    cfg = DecodingConfig(policy="ar", max_new_tokens=max_new_tokens)
+    speeds, outputs = defaultdict(list), defaultdict(dict)
+    for _ in range(repeats):
+        for i, ids in enumerate(prompts):
+            for name in ("sdpa", "fixed-order"):
+                with sdpa_only() if name == "sdpa" else contextlib.nullcontext():
+                    for kind, decoder in decoders.items():
+                        result = decoder.generate(ids, cfg)
+                        outputs[name, kind][i] = result.output_token_ids
+                        if kind == "policy":
+                            speeds[name].append(result.tokens_per_s)
+    report = {name: {"tokens_per_s": statistics.median(speeds[name]),
+                     "equal_to_ar": sum(outputs[name, "policy"][i] == outputs[name, "ar"][i]
+                                        for i in range(len(prompts))), "prompts": len(prompts)}
+              for name in ("sdpa", "fixed-order")}
+    ratio = report["fixed-order"]["tokens_per_s"] / report["sdpa"]["tokens_per_s"]
+    print(f"{policy.name} tokens/s, medians of {repeats} x {len(prompts)} decodes of {max_new_tokens} tokens: SDPA "
+          f"{report['sdpa']['tokens_per_s']:.2f}, fixed-order {report['fixed-order']['tokens_per_s']:.2f} "
+          f"({ratio:.3f}x); greedy output equal to AR's with the same attention: SDPA "
+          f"{report['sdpa']['equal_to_ar']}/{len(prompts)}, fixed-order {report['fixed-order']['equal_to_ar']}/"
+          f"{len(prompts)}")
+    return {**report, "fixed_over_sdpa": ratio, "name": policy.name}
 
 
 def scheme_costs(loaded, prompt_ids, trees: dict[str, Topology], schemes: list[str], repeats: int) -> int:
@@ -217,9 +252,41 @@ def scheme_costs(loaded, prompt_ids, trees: dict[str, Topology], schemes: list[s
         row = [f"{costs[s][name]:.2f}" for s in schemes] + [f"{costs[s][name] / costs[schemes[0]][name]:.2f}"
                                                             for s in schemes[1:]]
         print(f"| {name} | {tree.num_nodes} | " + " | ".join(row) + " |")
-    print(json.dumps({"verify_ms": costs, "dtype": str(loaded.dtype).removeprefix("torch."),
-                      "threads": torch.get_num_threads(), "repeats": repeats}))
+    summary = {"verify_ms": costs, "dtype": str(loaded.dtype).removeprefix("torch."),
+               "threads": torch.get_num_threads(), "repeats": repeats}
+    if policy is not None:
+        summary["policy"] = policy_speeds(stack, policy, prompts, max_new_tokens, repeats)
+    print(json.dumps(summary))
     return 0
+
+
+def policy_speeds(stack, policy, prompts: list[list[int]], max_new_tokens: int, repeats: int) -> dict:
+    """Greedy decodes of every prompt by `policy` and by AR with SDPA and with the fixed-order attention, in turn
+    (`repeats` rounds): each attention's median tokens/s of the policy, and how many of its outputs equal AR's
+    with the same attention (the fixed-order one: every one)."""
+    decoders = {"policy": stack.decoder(policy), "ar": stack.decoder(FixedTree("ar", load_topology("ar")))}
+    cfg = DecodingConfig(policy="ar", max_new_tokens=max_new_tokens)
+    speeds, outputs = defaultdict(list), defaultdict(dict)
+    for _ in range(repeats):
+        for i, ids in enumerate(prompts):
+            for name in ("sdpa", "fixed-order"):
+                with sdpa_only() if name == "sdpa" else contextlib.nullcontext():
+                    for kind, decoder in decoders.items():
+                        result = decoder.generate(ids, cfg)
+                        outputs[name, kind][i] = result.output_token_ids
+                        if kind == "policy":
+                            speeds[name].append(result.tokens_per_s)
+    report = {name: {"tokens_per_s": statistics.median(speeds[name]),
+                     "equal_to_ar": sum(outputs[name, "policy"][i] == outputs[name, "ar"][i]
+                                        for i in range(len(prompts))), "prompts": len(prompts)}
+              for name in ("sdpa", "fixed-order")}
+    ratio = report["fixed-order"]["tokens_per_s"] / report["sdpa"]["tokens_per_s"]
+    print(f"{policy.name} tokens/s, medians of {repeats} x {len(prompts)} decodes of {max_new_tokens} tokens: SDPA "
+          f"{report['sdpa']['tokens_per_s']:.2f}, fixed-order {report['fixed-order']['tokens_per_s']:.2f} "
+          f"({ratio:.3f}x); greedy output equal to AR's with the same attention: SDPA "
+          f"{report['sdpa']['equal_to_ar']}/{len(prompts)}, fixed-order {report['fixed-order']['equal_to_ar']}/"
+          f"{len(prompts)}")
+    return {**report, "fixed_over_sdpa": ratio, "name": policy.name}
 
 
 def main(argv=None) -> int:
@@ -245,7 +312,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attention-costs", action="store_true",
                         help="instead of the rest: verify ms by tree size (1-64 nodes) with SDPA and with the "
                         "fixed-order attention (bf16/fp16 on CPU), after every --prompts-file prompt, over --repeats "
-                        "interleaved rounds")
+                        "interleaved rounds; with --bank, also its entmtp-tau's greedy decodes with each (tokens/s, "
+                        "output equal to AR's)")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="with --tree-costs: llama.cpp's decode of as many rows on the embedded GGUF beside ours "
                         "(needs llama-cpp-python: pip install -e .[llamacpp])")
@@ -270,7 +338,8 @@ def main(argv=None) -> int:
     if args.tree_costs:
         return tree_costs(stack, prompts[0], args.llama_cpp, args.repeats)
     if args.attention_costs:
-        return attention_costs(loaded, prompts, args.repeats)
+        policy = bank_policy(DecodingConfig(policy="entmtp-tau"), bank) if bank else None
+        return attention_costs(stack, prompts, args.repeats, policy, args.max_new_tokens)
     if args.quantize:
         trees = {name: bank.topology(name) if name in names else load_topology(name) for name in args.trees}
         return scheme_costs(loaded, prompts[0], trees, args.quantize, args.repeats)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # fp32 stays on SDPA: its products are not row-invariant on CPU anyway (MKL blocks by row count, §7), and fp32
 # ties are rare enough that the tie rule covers them
 DTYPES = (torch.bfloat16, torch.float16)
-_NAME = "entmtp_fixed_order_attention_v7"  # a new kernel text needs a new name: the loader caches builds by name
+_NAME = "entmtp_fixed_order_attention_v8"  # a new kernel text needs a new name: the loader caches builds by name
 # torch's loader holds a `lock` file in the build folder while it compiles and waits, with no time limit, for any
 # lock it finds; a process killed mid-build (a Ray actor at the end of its job) leaves one behind, and every later
 # process on the machine then hung at its first bf16 forward. A build takes about 40 s: a lock older than this was
@@ -61,7 +61,8 @@ typedef float vec __attribute__((vector_size(W * sizeof(float))));
 typedef float vec_unaligned __attribute__((vector_size(W * sizeof(float)), aligned(alignof(float))));
 static inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
 static inline void store(float* p, vec x) { *reinterpret_cast<vec_unaligned*>(p) = x; }
-static inline vec splat(float x) { return vec{} + x; }
+static_assert(W == 8, "splat lists W lanes");
+static inline vec splat(float x) { return vec{x, x, x, x, x, x, x, x}; }  // not vec{} + x: an add per use
 typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
 typedef int32_t ivec_unaligned __attribute__((vector_size(W * sizeof(int32_t)), aligned(alignof(int32_t))));
 static inline ivec loadi(const int32_t* p) { return *reinterpret_cast<const ivec_unaligned*>(p); }
