@@ -257,35 +257,6 @@ def scheme_costs(loaded, prompt_ids, trees: dict[str, Topology], schemes: list[s
     return 0
 
 
-def policy_speeds(stack, policy, prompts: list[list[int]], max_new_tokens: int, repeats: int) -> dict:
-    """Greedy decodes of every prompt by `policy` and by AR with SDPA and with the fixed-order attention, in turn
-    (`repeats` rounds): each attention's median tokens/s of the policy, and how many of its outputs equal AR's
-    with the same attention (the fixed-order one: every one)."""
-    decoders = {"policy": stack.decoder(policy), "ar": stack.decoder(FixedTree("ar", load_topology("ar")))}
-    cfg = DecodingConfig(policy="ar", max_new_tokens=max_new_tokens)
-    speeds, outputs = defaultdict(list), defaultdict(dict)
-    for _ in range(repeats):
-        for i, ids in enumerate(prompts):
-            for name in ("sdpa", "fixed-order"):
-                with sdpa_only() if name == "sdpa" else contextlib.nullcontext():
-                    for kind, decoder in decoders.items():
-                        result = decoder.generate(ids, cfg)
-                        outputs[name, kind][i] = result.output_token_ids
-                        if kind == "policy":
-                            speeds[name].append(result.tokens_per_s)
-    report = {name: {"tokens_per_s": statistics.median(speeds[name]),
-                     "equal_to_ar": sum(outputs[name, "policy"][i] == outputs[name, "ar"][i]
-                                        for i in range(len(prompts))), "prompts": len(prompts)}
-              for name in ("sdpa", "fixed-order")}
-    ratio = report["fixed-order"]["tokens_per_s"] / report["sdpa"]["tokens_per_s"]
-    print(f"{policy.name} tokens/s, medians of {repeats} x {len(prompts)} decodes of {max_new_tokens} tokens: SDPA "
-          f"{report['sdpa']['tokens_per_s']:.2f}, fixed-order {report['fixed-order']['tokens_per_s']:.2f} "
-          f"({ratio:.3f}x); greedy output equal to AR's with the same attention: SDPA "
-          f"{report['sdpa']['equal_to_ar']}/{len(prompts)}, fixed-order {report['fixed-order']['equal_to_ar']}/"
-          f"{len(prompts)}")
-    return {**report, "fixed_over_sdpa": ratio, "name": policy.name}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts-file", default="examples/bench_prompts.jsonl")
