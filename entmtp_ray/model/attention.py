@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # fp32 stays on SDPA: its products are not row-invariant on CPU anyway (MKL blocks by row count, §7), and fp32
 # ties are rare enough that the tie rule covers them
 DTYPES = (torch.bfloat16, torch.float16)
-_NAME = "entmtp_fixed_order_attention_v8"  # a new kernel text needs a new name: the loader caches builds by name
+_NAME = "entmtp_fixed_order_attention_v9"  # a new kernel text needs a new name: the loader caches builds by name
 # torch's loader holds a `lock` file in the build folder while it compiles and waits, with no time limit, for any
 # lock it finds; a process killed mid-build (a Ray actor at the end of its job) leaves one behind, and every later
 # process on the machine then hung at its first bf16 forward. A build takes about 40 s: a lock older than this was
@@ -101,6 +101,18 @@ static float* grown(std::vector<float>& buffer, int64_t n) {
   return buffer.data();
 }
 
+// One step of a register block: a[rr] += x[rr * stride] * y, lane by lane, for each of the block's RB rows (its
+// scalar x broadcast over N vectors of y): the scores' step over d, and the weighted sum's step over keys
+template <int64_t N>
+static inline void accumulate(vec (&a)[RB][N], const float* x, int64_t stride, const float* y) {
+  vec ys[N];
+  for (int64_t u = 0; u < N; ++u) ys[u] = load(y + u * W);
+  for (int64_t rr = 0; rr < RB; ++rr) {
+    vec xr = splat(x[rr * stride]);
+    for (int64_t u = 0; u < N; ++u) a[rr][u] = a[rr][u] + xr * ys[u];
+  }
+}
+
 // q [kv, R, hd]; k, v [kv, L, hd] (views of a cache: unit stride in hd); mask [R, L] bool, or null for every key.
 // Three passes, each split across threads by blocks whose arithmetic per row is the same whatever the split: scores
 // (a row's sum over d in order, one lane per key), the softmax (a row's keys in position order), the weighted sum
@@ -137,7 +149,8 @@ static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out,
   });
   for (int64_t h = 0; h < kv; ++h)
     for (int64_t r = 0; r < Rp; ++r)
-      for (int64_t d = 0; d < hd; ++d) qf[(h * Rp + r) * hd + d] = r < R ? static_cast<float>(q[(h * R + r) * hd + d]) : 0.f;
+      for (int64_t d = 0; d < hd; ++d)
+        qf[(h * Rp + r) * hd + d] = r < R ? static_cast<float>(q[(h * R + r) * hd + d]) : 0.f;
 
   const int64_t nk = Lp / KB;
   at::parallel_for(0, kv * nb * nk, 4, [&](int64_t begin, int64_t end) {
@@ -148,12 +161,7 @@ static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out,
       vec a[RB][KB / W] = {};
       // each score summed over d in order, one multiply then one add (no contraction: -ffp-contract=off)
       for (int64_t d = 0; d < hd; ++d) {
-        vec kd[KB / W];
-        for (int64_t u = 0; u < KB / W; ++u) kd[u] = load(kh + d * Lp + u * W);
-        for (int64_t rr = 0; rr < RB; ++rr) {
-          vec qd = splat(qr[rr * hd + d]);
-          for (int64_t u = 0; u < KB / W; ++u) a[rr][u] = a[rr][u] + qd * kd[u];
-        }
+        accumulate(a, qr + d, hd, kh + d * Lp);
       }
       for (int64_t rr = 0; rr < RB; ++rr)
         for (int64_t u = 0; u < KB / W; ++u) store(s + (h * Rp + b * RB + rr) * Lp + j0 + u * W, a[rr][u]);
@@ -201,12 +209,7 @@ static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out,
       const float* vh = vf + h * L * hp + d0;
       vec a[RB][DB / W] = {};
       for (int64_t j = 0; j < L; ++j) {  // the weighted sum over keys in position order
-        vec vj[DB / W];
-        for (int64_t u = 0; u < DB / W; ++u) vj[u] = load(vh + j * hp + u * W);
-        for (int64_t rr = 0; rr < RB; ++rr) {
-          vec p = splat(pb[rr * Lp + j]);
-          for (int64_t u = 0; u < DB / W; ++u) a[rr][u] = a[rr][u] + p * vj[u];
-        }
+        accumulate(a, pb + j, Lp, vh + j * hp);
       }
       float lanes[RB][DB];
       for (int64_t rr = 0; rr < RB; ++rr)
