@@ -33,7 +33,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal
 
-# the development loop: every in-process test (no real model, Ray or subprocess); under a minute
+# the development loop: every test not marked slow (no Ray cluster or subprocess job); a few minutes
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 

@@ -159,6 +159,7 @@ def test_attention_costs_time_sdpa_and_the_fixed_order_attention_side_by_side(ti
     assert "pass --dtype bf16" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the real embedded model, every system in turn
 def test_throughput_mode_tables_every_system_at_every_k_in_one_run(tmp_path, capsys):
     """--concurrent-requests: each (system, K) decodes all prompts; aggregate rates, ratios to the system's own
     K=1 and the greedy check against AR at K=1; a bank given for one K runs there."""
@@ -187,6 +188,7 @@ def test_throughput_mode_tables_every_system_at_every_k_in_one_run(tmp_path, cap
     assert rc == 2 and "--bank-at 3=" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the real embedded model, every system in turn
 def test_a_quantized_bench_checks_ours_against_quantized_ar_and_leaves_transformers_uncompared(tmp_path, capsys):
     """--quantize int4: our systems decode the quantized model, so their greedy output must be its AR output;
     transformers' generate runs the unquantized weights, another model: not compared, never `differs`."""

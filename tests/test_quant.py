@@ -253,6 +253,7 @@ QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold
             "How many clips did Natalia sell altogether in April and May?")
 
 
+@pytest.mark.slow  # the real embedded model, quantized twice
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_smollm2_every_policy_decodes_the_quantized_models_greedy_tokens(scheme):
     model_cfg = ModelConfig(quantize=scheme, dtype="bf16")
