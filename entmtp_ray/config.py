@@ -45,28 +45,12 @@ class ModelConfig(BaseModel):
         "default size when they ship the file, else the full vocabulary; 0 = the full vocabulary")
 
 
-class DecodingConfig(BaseModel):
-    """How each request is decoded: the tree policy, acceptance and limits."""
+class SamplingParams(BaseModel):
+    """How one request samples and when it stops (as vLLM's SamplingParams): the job's defaults, and all a row's
+    `sampling_params` may set (pipeline/sampling.py), checked as this model alone."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt setting fails instead of vanishing
 
-    policy: str = Field("auto", description="tree-choosing policy. auto: entmtp-tau with the bank for the model "
-                        "and --task (--bank: that one; no task: the model's general bank), else with --bank auto; "
-                        "ar (plain autoregressive decoding), hydra, medusa (their default trees), fixed (--tree), or "
-                        "entmtp-star, entmtp-ladder, entmtp-tau (read a topology bank: --task or --bank)")
-    tree: str | None = Field(None, description="tree for the `fixed` policy: a built-in name or a JSON file")
-    task: str | None = Field(None, description="gsm8k | humaneval | sharegpt: the prompts a job reads "
-                             "(unless --dataset) and the topology bank the entmtp policies read (the one shipped "
-                             "for the model and task)")
-    bank: str | None = Field(None, description="bank file for the entmtp policies instead of the task's shipped one, "
-                             "or `auto`: a job calibrates one on its own prompts on a worker like its actors, "
-                             "cached (--bank-cache; README: auto banks); the default when no bank ships for the model")
-    signal: Literal["entropy", "top1", "path", "accepted"] | None = Field(
-        None, description="scheduling signal instead of the bank's default (the bank holds settings per signal)")
-    trace_signal: bool = Field(
-        False, description="record the scheduling signal before every step (Parquet step_signals) even when the "
-        "policy reads none, e.g. to relate accepted length to entropy for AR or Hydra's tree; costs one verifier "
-        "statistic per step. EntMTP policies that switch trees record it anyway")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (output equals plain greedy decoding)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="sampling keeps the smallest set of most likely tokens "
                          "whose probability reaches this (1 = all); exact acceptance keeps the output distributed as "
@@ -79,7 +63,6 @@ class DecodingConfig(BaseModel):
     typical_epsilon: float = Field(TYPICAL_EPSILON, gt=0, description="typical acceptance's hard threshold cap")
     typical_alpha: float = Field(TYPICAL_ALPHA, gt=0, description="typical acceptance's entropy-scaled threshold")
     max_new_tokens: int = Field(256, ge=1, description="stop after this many generated tokens")
-    max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
     seed: int = Field(123, description="sampling seed (each row's generator is seeded from it and the row id) "
                       "and --limit's row sample")
     n: int = Field(1, ge=1, description="samples per prompt, as vLLM's `n`: each input row gives n output rows "
@@ -124,6 +107,36 @@ class DecodingConfig(BaseModel):
             raise ValueError(f"--acceptance greedy needs --temperature 0 (got {self.temperature}); "
                              "use --acceptance exact (distribution-preserving) or typical for sampling")
         return self
+
+
+class DecodingConfig(SamplingParams):
+    """The engine's settings (the tree policy, its bank and signal, the input limit), with the job's sampling
+    defaults (SamplingParams) beside them: one set of flags, two models."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field("auto", description="tree-choosing policy. auto: entmtp-tau with the bank for the model "
+                        "and --task (--bank: that one; no task: the model's general bank), else with --bank auto; "
+                        "ar (plain autoregressive decoding), hydra, medusa (their default trees), fixed (--tree), or "
+                        "entmtp-star, entmtp-ladder, entmtp-tau (read a topology bank: --task or --bank)")
+    tree: str | None = Field(None, description="tree for the `fixed` policy: a built-in name or a JSON file")
+    task: str | None = Field(None, description="gsm8k | humaneval | sharegpt: the prompts a job reads "
+                             "(unless --dataset) and the topology bank the entmtp policies read (the one shipped "
+                             "for the model and task)")
+    bank: str | None = Field(None, description="bank file for the entmtp policies instead of the task's shipped one, "
+                             "or `auto`: a job calibrates one on its own prompts on a worker like its actors, "
+                             "cached (--bank-cache; README: auto banks); the default when no bank ships for the model")
+    signal: Literal["entropy", "top1", "path", "accepted"] | None = Field(
+        None, description="scheduling signal instead of the bank's default (the bank holds settings per signal)")
+    trace_signal: bool = Field(
+        False, description="record the scheduling signal before every step (Parquet step_signals) even when the "
+        "policy reads none, e.g. to relate accepted length to entropy for AR or Hydra's tree; costs one verifier "
+        "statistic per step. EntMTP policies that switch trees record it anyway")
+    max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
+
+    def sampling(self) -> SamplingParams:
+        """The job's sampling settings, without the engine's."""
+        return SamplingParams(**self.model_dump(include=set(SamplingParams.model_fields)))
 
 
 class InputConfig(BaseModel):

@@ -130,7 +130,7 @@ def test_greedy_through_every_tree_is_ar_token_for_token_in_bf16():
     """No tie rule: Hydra's and Medusa's trees and a bank's policy give AR's bf16 tokens exactly."""
     from entmtp_ray.config import DecodingConfig, ModelConfig
     from entmtp_ray.decode.loop import SpecDecoder
-    from entmtp_ray.pipeline.assemble import load_stack, plan
+    from entmtp_ray.pipeline.assemble import load_stack, resolve
 
     model_cfg = ModelConfig(dtype="bf16", device="cpu")
     stack = load_stack(model_cfg, with_heads=True)
@@ -139,7 +139,7 @@ def test_greedy_through_every_tree_is_ar_token_for_token_in_bf16():
     outputs = {}
     for name in ("ar", "hydra", "medusa", "entmtp-tau"):
         cfg = DecodingConfig(policy=name, task="humaneval", max_new_tokens=40)
-        decoder = SpecDecoder(stack.loaded, stack.drafter if name != "ar" else None, plan(model_cfg, cfg).policy)
+        decoder = SpecDecoder(stack.loaded, stack.drafter if name != "ar" else None, resolve(model_cfg, cfg).policy)
         outputs[name] = [decoder.generate(ids, cfg).output_token_ids for ids in prompts]
     assert all(outputs[name] == outputs["ar"] for name in outputs), outputs
 

@@ -13,7 +13,7 @@ import pytest
 
 from entmtp_ray.calibrate.bank import Bank, Hardware
 from entmtp_ray.config import CalibrationConfig, DecodingConfig, ModelConfig
-from entmtp_ray.pipeline.assemble import AUTO_BANK, plan
+from entmtp_ray.pipeline.assemble import AUTO_BANK, resolve
 from entmtp_ray.pipeline.autobank import (ACTOR_LABEL, bank_key, cache_roots, calibrate_on_worker, data_identity,
                                           find_cached, key_name, rollout_decoding, store)
 from entmtp_ray.pipeline.engine import Engine
@@ -128,17 +128,17 @@ def test_rollouts_are_the_jobs_own_rows_only_when_the_job_is_greedy():
 
 def test_an_auto_bank_plans_its_fallback_until_calibrated(tiny_model_dirs, caplog):
     model = tiny(tiny_model_dirs)
-    waiting = plan(model, DecodingConfig())  # no bank ships for this model: the default calibrates one
-    assert waiting.auto_bank and waiting.requested.bank == AUTO_BANK and waiting.requested.policy == "entmtp-tau"
+    waiting = resolve(model, DecodingConfig())  # no bank ships for this model: the default calibrates one
+    assert waiting.calibrate and waiting.requested.bank == AUTO_BANK and waiting.requested.policy == "entmtp-tau"
     assert waiting.decoding.policy == "hydra" and waiting.needs_heads and waiting.bank is None
     bank = make_bank(model="tiny-vicuna")
-    ready = plan(model, waiting.requested, bank, "out/_banks/k/bank.json")
-    assert not ready.auto_bank and ready.bank is bank and ready.decoding.policy == "entmtp-tau"
+    ready = resolve(model, waiting.requested, bank=bank, bank_label="out/_banks/k/bank.json")
+    assert not ready.calibrate and ready.bank is bank and ready.decoding.policy == "entmtp-tau"
     assert ready.bank_label == "out/_banks/k/bank.json" and ready.bank_path is None
-    embedded = plan(ModelConfig(), DecodingConfig(task="gsm8k", bank=AUTO_BANK))  # falls back to the shipped bank
-    assert embedded.auto_bank and embedded.decoding.bank.endswith("gsm8k.json")
+    embedded = resolve(ModelConfig(), DecodingConfig(task="gsm8k", bank=AUTO_BANK))  # falls back to the shipped bank
+    assert embedded.calibrate and embedded.decoding.bank.endswith("gsm8k.json")
     with pytest.raises(ValueError, match="--policy ar reads none"):
-        plan(model, DecodingConfig(policy="ar", bank=AUTO_BANK))
+        resolve(model, DecodingConfig(policy="ar", bank=AUTO_BANK))
     with caplog.at_level(logging.WARNING, logger="entmtp_ray.pipeline.engine"):
         engine = Engine(model, DecodingConfig(max_new_tokens=4))  # a process that calibrates nothing
     assert engine.decoding.policy == "hydra" and "this process calibrates no bank" in caplog.text
@@ -152,18 +152,20 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
 
     def placed(decoding: DecodingConfig, device: str, quantize: str = "none") -> Processor:
         processor = Processor(ProcessorConfig(decoding=decoding, model=ModelConfig(quantize=quantize)))
-        processor.placement = ActorPlacement(gpus=1.0 if device == "cuda" else 0.0, device=device, auto=True)
-        processor._calibrate_for_this_device()
+        placement = ActorPlacement(gpus=1.0 if device == "cuda" else 0.0, device=device, auto=True)
+        processor.plan = resolve(processor.config.model, processor.config.decoding, processor.actors(placement))
         return processor
 
     on_gpu = placed(DecodingConfig(task="gsm8k"), "cuda")  # the shipped GSM8K bank was timed on a CPU
-    assert on_gpu.plan.auto_bank and on_gpu.plan.requested.bank == AUTO_BANK
+    assert on_gpu.plan.calibrate and on_gpu.plan.requested.bank == AUTO_BANK
+    assert "was timed on cpu" in on_gpu.plan.source and "a CPU, not a GPU" in on_gpu.plan.source
+    assert on_gpu.config.decoding == DecodingConfig(task="gsm8k")  # the user's settings, never rewritten
     # until calibrated: the shipped bank, its fallback
-    assert on_gpu.config.decoding.bank.endswith("gsm8k.json") and on_gpu.plan.bank_label.endswith("gsm8k.json")
-    assert not placed(DecodingConfig(task="gsm8k"), "cpu").plan.auto_bank  # the device it was timed on
-    assert placed(DecodingConfig(task="gsm8k"), "cpu", "int4").plan.auto_bank  # timed on unquantized weights
+    assert on_gpu.plan.decoding.bank.endswith("gsm8k.json") and on_gpu.plan.bank_label.endswith("gsm8k.json")
+    assert not placed(DecodingConfig(task="gsm8k"), "cpu").plan.calibrate  # the device it was timed on
+    assert placed(DecodingConfig(task="gsm8k"), "cpu", "int4").plan.calibrate  # timed on unquantized weights
     kept = placed(DecodingConfig(task="gsm8k", policy="entmtp-tau"), "cuda")  # asked for by name: kept
-    assert not kept.plan.auto_bank and kept.plan.bank_label.endswith("gsm8k.json")
+    assert not kept.plan.calibrate and kept.plan.bank_label.endswith("gsm8k.json")
 
 
 # ---- the calibration on a worker ---------------------------------------------------------------------

@@ -78,6 +78,21 @@ def test_a_gpu_bank_is_the_same_hardware_on_another_host_cpu_but_not_another_gpu
     assert cpu.describe() == "cpu (2 threads, bfloat16)"
 
 
+def test_a_bank_matches_actors_of_its_kind_of_device_concurrency_and_weights_whatever_their_threads():
+    from entmtp_ray.calibrate.bank import Actors
+
+    cpu = Hardware(device="cpu", threads=2, dtype="bfloat16", machine="x86_64")
+    assert cpu.matches(Actors(on_gpu=False)) == [] and GPU.matches(Actors(on_gpu=True)) == []
+    assert cpu.matches(Actors(on_gpu=True)) == ["a CPU, not a GPU"]
+    assert GPU.matches(Actors(on_gpu=True, concurrency=4, quantize="int8")) == [
+        "1 concurrent requests, not 4", "none weights, not int8"]
+    # the cache key: a GPU's step-cost fields; a CPU's as keys always were (no backend, defaults left out)
+    assert GPU.key() == {"device": GPU.device, "dtype": "bfloat16", "backend": GPU.backend, "concurrency": 1,
+                         "quantize": "none"}
+    assert cpu.key() == {"device": "cpu", "threads": 2, "dtype": "bfloat16", "machine": "x86_64"}
+    assert cpu.model_copy(update={"quantize": "int4"}).key()["quantize"] == "int4"
+
+
 def test_a_bank_file_without_a_backend_still_loads(tmp_path):
     path = tmp_path / "b.json"
     raw = json.loads(make_bank().model_dump_json())
@@ -180,25 +195,25 @@ def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path,
 
 def test_bank_policy_without_task_or_bank_fails_before_loading():
     from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.pipeline.assemble import plan as preflight
+    from entmtp_ray.pipeline.assemble import resolve
 
     with pytest.raises(ValueError, match="pass --task NAME"):
-        preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau"))
+        resolve(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau"))
     with pytest.raises(FileNotFoundError, match="build one with jobs/build_bank.py"):
-        preflight(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau", task="nosuchtask"))
+        resolve(ModelConfig(heads="untrained"), DecodingConfig(policy="entmtp-tau", task="nosuchtask"))
 
 
 def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_an_auto_bank(tiny_model_dirs, tmp_path):
     from entmtp_ray.assets import shipped_bank
     from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.pipeline.assemble import plan as preflight
+    from entmtp_ray.pipeline.assemble import resolve
 
     embedded = ModelConfig()
     assert DecodingConfig().policy == "auto"
     for task in ("gsm8k", "humaneval", "sharegpt"):  # each task's own bank
-        resolved = preflight(embedded, DecodingConfig(task=task))
+        resolved = resolve(embedded, DecodingConfig(task=task))
         assert resolved.decoding.policy == "entmtp-tau" and resolved.bank_path == shipped_bank(embedded.model, task)
-    general = preflight(embedded, DecodingConfig())  # a dataset of the user's own: the general bank
+    general = resolve(embedded, DecodingConfig())  # a dataset of the user's own: the general bank
     assert general.decoding.policy == "entmtp-tau" and general.decoding.bank == str(shipped_bank(embedded.model,
                                                                                                  "general"))
     assert general.bank.task == "general" and "humaneval" in general.bank.calibration["source"]
@@ -206,11 +221,16 @@ def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_an_
     save_bank(make_bank(model="tiny-vicuna"), bank)
     model_dir, heads_dir = tiny_model_dirs
     local = ModelConfig(model=str(model_dir), heads=str(heads_dir))
-    assert preflight(local, DecodingConfig(bank=str(bank))).decoding.policy == "entmtp-tau"  # --bank: that one
-    auto = preflight(local, DecodingConfig(task="gsm8k"))  # no bank ships for this model: the job calibrates one
-    assert auto.requested.policy == "entmtp-tau" and auto.requested.bank == "auto" and auto.auto_bank
+    assert resolve(local, DecodingConfig(bank=str(bank))).decoding.policy == "entmtp-tau"  # --bank: that one
+    auto = resolve(local, DecodingConfig(task="gsm8k"))  # no bank ships for this model: the job calibrates one
+    assert auto.requested.policy == "entmtp-tau" and auto.requested.bank == "auto" and auto.calibrate
     assert auto.decoding.policy == "hydra" and auto.bank_path is None  # until then (or without a job): Hydra's tree
-    assert preflight(embedded, DecodingConfig(policy="ar", task="gsm8k")).decoding.policy == "ar"  # asked: kept
+    assert resolve(embedded, DecodingConfig(policy="ar", task="gsm8k")).decoding.policy == "ar"  # asked: kept
+    # why, in the job's summary
+    assert resolved.source == f"the bank shipped for {embedded.model} and --task sharegpt"
+    assert general.source == f"{embedded.model}'s general bank (no --task)"
+    assert auto.source.startswith("calibrated on the job's prompts: no bank ships for") and \
+        auto.source.endswith("; until calibrated, hydra")
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model.kernels import LayerShapes, prepare, quantization_problem, quantize_model
 from entmtp_ray.model.loading import EMBEDDED_SHAPES, LoadedModel, check_quantization, load_model, resolve_model_path
 from entmtp_ray.model.quant import INT4_GROUP, quantize, quantize_int4
-from entmtp_ray.pipeline.assemble import load_stack, plan
+from entmtp_ray.pipeline.assemble import load_stack, resolve
 from test_decode_oracle import BRANCHY_PATHS, MAX_NEW, PROMPT, rotating, tree_of
 from oracle import OracleDrafter
 
@@ -187,7 +187,7 @@ def test_int4_on_cuda_refuses_the_embedded_model_at_plan_time():
     assert "does not tile for CUDA's int4 kernel" in quantization_problem(EMBEDDED_SHAPES, "int4", "cuda",
                                                                           torch.bfloat16)
     with pytest.raises(ValueError, match=r"the qkv weight \[960, 576\].*does not tile.*or run --quantize none"):
-        plan(ModelConfig(quantize="int4", device="cuda"), DecodingConfig(policy="ar"))
+        resolve(ModelConfig(quantize="int4", device="cuda"), DecodingConfig(policy="ar"))
     with pytest.raises(ValueError, match="bf16 activations only: run --dtype bf16"):
         check_quantization(EMBEDDED_MODEL, "int4", "cuda:0", "fp16")
 
@@ -195,7 +195,7 @@ def test_int4_on_cuda_refuses_the_embedded_model_at_plan_time():
 def test_int8_on_cuda_is_refused_with_the_kernels_reason_and_the_fixes():
     with pytest.raises(ValueError, match=r"_weight_int8pack_mm.*--quantize none.*--quantize int4 --dtype bf16.*"
                                          r"gpu_check.py's quantized stage"):
-        plan(ModelConfig(quantize="int8", device="cuda"), DecodingConfig(policy="ar"))
+        resolve(ModelConfig(quantize="int8", device="cuda"), DecodingConfig(policy="ar"))
     assert "_weight_int8pack_mm" in quantization_problem(LayerShapes.of_config(VICUNA_7B), "int8", "cuda",
                                                          torch.float16)
     # the weights themselves still build on any device: the GPU check times int8 beside fp16 with them
@@ -206,7 +206,7 @@ def test_int8_on_cuda_is_refused_with_the_kernels_reason_and_the_fixes():
 def test_the_embedded_model_is_accepted_on_cpu_and_auto(scheme):
     for device in ("cpu", "auto"):  # auto: only what no device could run is refused before placement
         check_quantization(EMBEDDED_MODEL, scheme, device, "auto")
-        plan(ModelConfig(quantize=scheme, device=device), DecodingConfig(policy="ar"))
+        resolve(ModelConfig(quantize=scheme, device=device), DecodingConfig(policy="ar"))
 
 
 def test_vicuna_7b_int4_in_bf16_on_cuda_is_accepted(tmp_path):
@@ -223,10 +223,10 @@ def test_a_cpu_shape_the_int4_kernel_cannot_take_fails_in_plan_and_before_load_m
     path = model_dir(tmp_path, hidden_size=48, intermediate_size=128, num_attention_heads=4)
     with pytest.raises(ValueError, match=rf"int4 of --model {path} on cpu.*input size 48 is not a multiple of the "
                                          r"int4 group \(32\)"):
-        plan(ModelConfig(model=path, quantize="int4", device="cpu"), DecodingConfig(policy="ar"))
+        resolve(ModelConfig(model=path, quantize="int4", device="cpu"), DecodingConfig(policy="ar"))
     with pytest.raises(ValueError, match="on cpu in .*; and --quantize int4 .* on cuda in bf16"):  # no device can
-        plan(ModelConfig(model=path, quantize="int4"), DecodingConfig(policy="ar"))
-    plan(ModelConfig(model=path, quantize="int8", device="cpu"), DecodingConfig(policy="ar"))  # int8 takes any shape
+        resolve(ModelConfig(model=path, quantize="int4"), DecodingConfig(policy="ar"))
+    resolve(ModelConfig(model=path, quantize="int8", device="cpu"), DecodingConfig(policy="ar"))  # int8 takes any shape
     for loader in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
         monkeypatch.setattr(loader, "from_pretrained", lambda *a, **k: pytest.fail("read files before the check"))
     with pytest.raises(ValueError, match="not a multiple of the int4 group"):
@@ -264,7 +264,7 @@ def test_smollm2_every_policy_decodes_the_quantized_models_greedy_tokens(scheme)
     outputs = {}
     for name in POLICIES:
         cfg = DecodingConfig(policy=name, task="gsm8k", max_new_tokens=48)
-        resolved = plan(model_cfg, cfg)
+        resolved = resolve(model_cfg, cfg)
         result = stack.decoder(resolved.policy).generate(ids, resolved.decoding)
         outputs[name] = result.output_token_ids
         logits = continuation_logits(loaded, ids, result.output_token_ids).float()

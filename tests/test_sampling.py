@@ -32,7 +32,8 @@ def test_overrides_come_from_an_object_or_its_json_text_and_null_keys_keep_the_j
 @pytest.mark.parametrize("value, message", [
     ("{temperature: 1}", "not valid JSON"),
     ("[1, 2]", "must be an object of settings, got list"),
-    ({"presence_penalty": 1.0}, "unsupported setting 'presence_penalty'; a row may set max_new_tokens"),
+    ({"presence_penalty": 1.0}, "unsupported setting 'presence_penalty'; a row may set temperature"),
+    ({"policy": "ar"}, "unsupported setting 'policy'"),  # an engine setting: the job's alone
     ({"max_tokens": 4, "max_new_tokens": 5}, "both max_tokens and max_new_tokens"),
 ])
 def test_an_unusable_sampling_params_value_says_why(value, message):
@@ -54,6 +55,22 @@ def test_a_row_temperature_on_a_greedy_job_samples_exactly_and_bad_values_are_re
     assert "greater than or equal to 1" in check_row(job, {"n": 0})[2]
     assert "empty stop string" in check_row(job, {"stop": [""]})[2]
     assert check_row(job, '{"n": 3, "stop": "END"}') == ({"n": 3, "stop": "END"}, 3, None)
+    named = row_decoding(job, {"temperature": 0.7, "acceptance": "typical", "typical_alpha": 0.2})
+    assert (named.acceptance, named.typical_alpha, named.max_new_tokens) == ("typical", 0.2, 8)  # the row's own
+    assert "needs --temperature 0" in check_row(job, {"temperature": 0.7, "acceptance": "greedy"})[2]
+
+
+def test_a_row_is_checked_as_sampling_params_alone_and_the_engine_settings_stay_the_jobs():
+    from entmtp_ray.config import SamplingParams
+    from entmtp_ray.pipeline.sampling import SAMPLING_KEYS
+
+    assert set(SAMPLING_KEYS) == set(SamplingParams.model_fields)
+    assert not {"policy", "tree", "task", "bank", "signal", "max_input_tokens"} & set(SAMPLING_KEYS)
+    job = DecodingConfig(policy="entmtp-tau", task="gsm8k", signal="top1", max_input_tokens=99, max_new_tokens=8)
+    assert job.sampling() == SamplingParams(max_new_tokens=8)
+    row = row_decoding(job, {"top_k": 5, "temperature": 1.0})
+    assert isinstance(row, DecodingConfig) and row.model_dump() == job.model_dump() | {
+        "top_k": 5, "temperature": 1.0, "acceptance": "exact"}
 
 
 def prompt_rows(**columns) -> pa.Table:

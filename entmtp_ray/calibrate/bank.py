@@ -7,6 +7,7 @@ may merely be slow (another model or machine) is a warning. Format: docs/design.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +37,16 @@ class BankTree(BaseModel):
         return cls(name=tree.name, paths=[list(p) for p in tree.paths], nodes=tree.num_nodes, **measured)
 
 
+@dataclass(frozen=True)
+class Actors:
+    """What the job knows of the actors that will decode before any of them starts: the facts the resolver
+    (pipeline/assemble.resolve) checks a bank against (Hardware.matches)."""
+
+    on_gpu: bool
+    concurrency: int = 1
+    quantize: str = "none"
+
+
 class Hardware(BaseModel):
     device: str = Field(..., description="cpu, or the GPU's name")
     threads: int = Field(..., ge=1, description="torch CPU threads")
@@ -62,8 +73,31 @@ class Hardware(BaseModel):
         return "device", "threads", "dtype", "concurrency", "quantize"
 
     def same_as(self, other: Hardware) -> bool:
+        """Step costs measured here would be measured there too (a warning when a bank runs elsewhere)."""
         return self.step_cost == other.step_cost and all(getattr(self, name) == getattr(other, name)
                                                          for name in self.step_cost)
+
+    def matches(self, actors: Actors) -> list[str]:
+        """How `actors` differ from this hardware in what sizes a bank's trees by a large factor (empty: a bank
+        timed here serves them): the kind of device, the requests per forward, the weights. The rest of step_cost
+        (the GPU's name, the CPU threads, the dtype) is known only on an actor, and only warns (same_as)."""
+        differences = []
+        if self.on_gpu != actors.on_gpu:
+            differences.append(f"{'a GPU' if self.on_gpu else 'a CPU'}, not {'a GPU' if actors.on_gpu else 'a CPU'}")
+        if self.concurrency != actors.concurrency:
+            differences.append(f"{self.concurrency} concurrent requests, not {actors.concurrency}")
+        if self.quantize != actors.quantize:
+            differences.append(f"{self.quantize} weights, not {actors.quantize}")
+        return differences
+
+    def key(self) -> dict:
+        """The hardware in an auto bank's cache key: what sets its step costs (step_cost), so a GPU job reuses its
+        bank on another host CPU. A CPU's key also holds the CPU model and leaves out the settings added since
+        (concurrency 1, no quantization, no backend), so banks cached before they were settings keep their keys."""
+        if self.on_gpu:
+            return self.model_dump(include=set(self.step_cost))
+        return self.model_dump(exclude={"backend"} | {name for name, old in (("concurrency", 1), ("quantize", "none"))
+                                                      if getattr(self, name) == old})
 
     def describe(self) -> str:
         extra = ([f"{self.concurrency} concurrent requests"] if self.concurrency > 1 else []) + (

@@ -82,7 +82,7 @@ def bench_bank(model_cfg: ModelConfig, task: str | None, bank: str | None) -> Pa
                          "jobs/generate.py --bank auto, then bench the bank it wrote with --bank "
                          "<output>/_banks/<key>/bank.json (or compare it beside the default with "
                          "--also-bank auto=FILE)")
-    resolved = resolve_policy(model_cfg, DecodingConfig(task=task, bank=bank))
+    resolved, _ = resolve_policy(model_cfg, DecodingConfig(task=task, bank=bank))
     if resolved.bank == AUTO_BANK:
         return None
     return resolve_bank_path(model_cfg.model, task, resolved.bank)

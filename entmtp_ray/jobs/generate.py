@@ -62,7 +62,8 @@ def main(argv=None) -> int:
         return CONFIG_ERROR
     summary = run_job(spec, job, processor, source.limit, decoding.seed, started, files)
     bank = processor.plan.bank
-    summary.update(policy=processor.config.decoding.policy, bank=processor.plan.bank_label,  # what ran, and why
+    summary.update(policy=processor.plan.decoding.policy, bank=processor.plan.bank_label,  # what ran, and why
+                   bank_source=processor.plan.source,
                    bank_selection=bank.selection.reason if bank is not None and bank.selection else None)
     shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
     print(json.dumps(summary), flush=True)

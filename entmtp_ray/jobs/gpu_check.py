@@ -555,7 +555,7 @@ def decode_stage(args, device, record: Record) -> None:
     from entmtp_ray.bench.compare import compare_greedy, continuation_logits
     from entmtp_ray.config import DecodingConfig, ModelConfig
     from entmtp_ray.decode.loop import SpecDecoder
-    from entmtp_ray.pipeline.assemble import load_stack, plan
+    from entmtp_ray.pipeline.assemble import load_stack, resolve
     from entmtp_ray.pipeline.engine import encode_checked
     from entmtp_ray.pipeline.tasks import load_prompts
 
@@ -578,7 +578,7 @@ def decode_stage(args, device, record: Record) -> None:
     reference: list[list[int]] = []
     for name in ("ar", "hydra", "entmtp-tau"):
         cfg = DecodingConfig(policy=name, task="humaneval", max_new_tokens=new_tokens)
-        policy = plan(model_cfg, cfg).policy
+        policy = resolve(model_cfg, cfg).policy
         row: dict = {}
         for mode, options in _modes(device).items():
             if record.left() < 15:

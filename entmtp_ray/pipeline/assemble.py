@@ -1,7 +1,8 @@
 """The one place a decoder is put together from configs: the policy (and its bank), the model, the
 heads and their drafter. The engine, the benchmark and the bank builder all assemble here.
 
-Checks that need no model run first (`plan`), so a broken config fails before any weight loads.
+Which policy and bank run is decided in one place, `resolve`; its checks need no model, so a broken config fails
+before any weight loads.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from entmtp_ray.assets import shipped_bank
-from entmtp_ray.calibrate.bank import (BANK_POLICIES, Bank, bank_policy, current_hardware, load_bank,
+from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, bank_policy, current_hardware, load_bank,
                                        resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.drafting import HydraDrafter
@@ -36,16 +37,17 @@ AUTO_BANK = "auto"  # --bank auto: calibrated by the job on its own prompts (pip
 
 @dataclass(frozen=True)
 class Plan:
-    """What a decoding config resolves to before any model loads."""
+    """What a job runs, decided by `resolve` before any model loads."""
 
-    requested: DecodingConfig  # the policy resolved (never `auto`), the bank as given (`auto` kept): the manifest's
-    decoding: DecodingConfig  # what runs: as requested, or, for an auto bank not calibrated yet, its fallback
+    requested: DecodingConfig  # the policy resolved (never `auto`), the bank as resolved (`auto` kept): the manifest's
+    decoding: DecodingConfig  # what runs: as requested, or, while an auto bank is not calibrated, its fallback
     policy: Policy
-    needs_heads: bool  # some tree of the policy drafts
+    needs_heads: bool  # some tree of the policy drafts (or the calibration does)
     bank_path: Path | None  # the bank file an entmtp policy reads (None otherwise, and for a calibrated bank)
     bank: Bank | None
     bank_label: str | None = None  # where the bank came from, for output rows
-    auto_bank: bool = False  # --bank auto with no calibrated bank yet: `decoding` is the fallback
+    calibrate: bool = False  # --bank auto with no calibrated bank yet: `decoding` is the fallback until one is
+    source: str = ""  # why this policy and bank, in a line, for the job's summary
 
 
 def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
@@ -59,20 +61,24 @@ def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
     return make_policy(decoding)
 
 
-def resolve_policy(model_cfg: ModelConfig, decoding: DecodingConfig) -> DecodingConfig:
-    """`--policy auto` (the default) made concrete: entmtp-tau with --bank, else with the bank shipped for the
-    model and --task, else (no task) with the model's general bank, else with a bank the job calibrates
-    (`--bank auto`). Other policies come back unchanged."""
+def resolve_policy(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[DecodingConfig, str]:
+    """`--policy auto` (the default) made concrete, and where its bank comes from: entmtp-tau with --bank, else with
+    the bank shipped for the model and --task, else (no task) with the model's general bank, else with a bank the
+    job calibrates (`--bank auto`). Other policies come back unchanged."""
     if decoding.policy != AUTO:
-        return decoding
+        return decoding, f"--policy {decoding.policy}"
     if decoding.bank:
-        return decoding.model_copy(update={"policy": "entmtp-tau"})
+        return decoding.model_copy(update={"policy": "entmtp-tau"}), (
+            "--bank auto: calibrated on the job's prompts" if decoding.bank == AUTO_BANK else f"--bank {decoding.bank}")
     task = decoding.task or GENERAL_BANK_TASK
     bank = shipped_bank(model_cfg.model, task)
     if bank.is_file():
         update = {"policy": "entmtp-tau"} if decoding.task else {"policy": "entmtp-tau", "bank": str(bank)}
-        return decoding.model_copy(update=update)
-    return decoding.model_copy(update={"policy": "entmtp-tau", "bank": AUTO_BANK})
+        source = f"the bank shipped for {model_cfg.model} and --task {task}" if decoding.task else \
+            f"{model_cfg.model}'s general bank (no --task)"
+        return decoding.model_copy(update=update), source
+    return decoding.model_copy(update={"policy": "entmtp-tau", "bank": AUTO_BANK}), (
+        f"calibrated on the job's prompts: no bank ships for {model_cfg.model} and {task}")
 
 
 def fallback_decoding(model_cfg: ModelConfig, decoding: DecodingConfig) -> DecodingConfig:
@@ -95,20 +101,40 @@ def fallback_warning(model_cfg: ModelConfig, decoding: DecodingConfig, why: str)
             f"--out banks/{task}.json --work runs/bank` and pass --bank banks/{task}.json")
 
 
-def plan(model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
-         bank_label: str | None = None) -> Plan:
-    """Every config check that needs no model: the model's source, its --quantize scheme on --device (the weights'
-    shapes from the model's config), policy, bank, tree files, heads directory and depth (hub ids: their JSON files
-    only). `bank`: one already in hand (an auto bank the job calibrated), used instead of the file decoding.bank
-    names. Raises ValueError/FileNotFoundError naming the fix."""
+def resolve(model_cfg: ModelConfig, decoding: DecodingConfig, actors: Actors | None = None, bank: Bank | None = None,
+            bank_label: str | None = None) -> Plan:
+    """The one decision of what runs: the user's settings and what is known of the actors -> the Plan (policy, bank,
+    where the bank comes from and why, whether the job calibrates one). Pure: it reads configs and files, never a
+    model, so every check that needs no model runs here and a broken config fails before any weight loads.
+
+    The rules, in order: `--policy auto` is entmtp-tau with --bank, else the bank shipped for the model and --task
+    (no task: its general bank), else a bank the job calibrates (`--bank auto`); a shipped bank chosen by default
+    whose hardware does not match the actors (`Hardware.matches`: another kind of device, concurrency or weights) is
+    replaced by a calibrated one (`actors`: None before the actors are placed, and in an engine, which runs what it
+    is given); until a calibrated bank is in hand (`bank`, from `bank_label`), an auto bank runs its fallback (the
+    shipped bank, else Hydra's tree).
+
+    Also checked: the model's source, its --quantize scheme (on the actors' device once known), the bank and tree
+    files against the heads' depth, and --draft-vocab. Raises ValueError/FileNotFoundError naming the fix."""
     check_model_source(model_cfg.model)
-    check_quantization(model_cfg.model, model_cfg.quantize, model_cfg.device, model_cfg.dtype)
-    requested = resolve_policy(model_cfg, decoding)
-    auto = requested.bank == AUTO_BANK and bank is None
+    device = model_cfg.device if actors is None else ("cuda" if actors.on_gpu else "cpu")
+    check_quantization(model_cfg.model, model_cfg.quantize, device, model_cfg.dtype)
+    requested, source = resolve_policy(model_cfg, decoding)
     if requested.bank == AUTO_BANK and requested.policy not in BANK_POLICIES:
         raise ValueError(f"--bank auto calibrates a bank for the entmtp policies; --policy {requested.policy} reads "
                          "none: drop --bank or pick an entmtp policy")
-    running = fallback_decoding(model_cfg, requested) if auto else requested
+    by_default = decoding.policy == AUTO and not decoding.bank
+    if by_default and actors is not None and requested.bank != AUTO_BANK and bank is None:
+        shipped = load_bank(resolve_bank_path(model_cfg.model, requested.task, requested.bank))
+        differences = shipped.hardware.matches(actors)
+        if differences:
+            requested = requested.model_copy(update={"bank": AUTO_BANK})
+            source = (f"calibrated for the actors: {source} was timed on {shipped.hardware.describe()} "
+                      f"({'; '.join(differences)}); pass --bank to keep it")
+    calibrate = requested.bank == AUTO_BANK and bank is None
+    running = fallback_decoding(model_cfg, requested) if calibrate else requested
+    if bank is not None:
+        source = f"calibrated on the job's prompts ({bank_label})"
     bank_path = depth = None
     if running.policy in BANK_POLICIES:
         depth = available_depth(model_cfg.model, model_cfg.heads)
@@ -122,13 +148,15 @@ def plan(model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = N
     else:
         bank = bank_label = None
     policy = policy_for(running, bank)
-    needs_heads = auto or any(t.depth > 0 for t in policy.trees())  # an auto bank's calibration drafts
+    needs_heads = calibrate or any(t.depth > 0 for t in policy.trees())  # an auto bank's calibration drafts
     if needs_heads:
         depth = depth if depth is not None else available_depth(model_cfg.model, model_cfg.heads)
         for topology in policy.trees():
             make_topology(topology.paths, topology.name, max_depth=depth)
         draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)  # a bad --draft-vocab fails here
-    return Plan(requested, running, policy, needs_heads, bank_path, bank, bank_label, auto)
+    if calibrate:
+        source += f"; until calibrated, {running.bank or running.policy}"
+    return Plan(requested, running, policy, needs_heads, bank_path, bank, bank_label, calibrate, source)
 
 
 @dataclass

@@ -5,8 +5,8 @@ actors' resources (pipeline/processor.py), and the job writes the rollouts it re
 1. `probe_hardware` (on a worker of the actors' kind): the device, dtype, threads and CPU (on a GPU, its torch and
    CUDA versions) the bank is timed on.
 2. The key: model, chat format, heads (content hash or hub snapshot), the data (task, or the dataset's files),
-   what of that hardware sets a step's cost (`hardware_key`), the draft vocabulary, the sample size and node
-   budget. A bank under the key in any cache root (`--bank-cache`, else `<output>/_banks` and the user's cache) is
+   what of that hardware sets a step's cost (`Hardware.key`, calibrate/bank.py), the draft vocabulary, the sample
+   size and node budget. A bank under the key in any cache root (`--bank-cache`, else `<output>/_banks` and the user's cache) is
    used as it is.
 3. Otherwise `calibrate_on_worker`: greedy rollouts of the sampled prompts (AR on a CPU, Hydra's tree on a GPU:
    greedy output is the same), then pipeline/calibration.build_bank, the code jobs/build_bank.py runs. Every
@@ -96,19 +96,9 @@ def bank_key(model_cfg: ModelConfig, data: str, hardware: Hardware, calibration:
     """Everything an auto bank depends on (compared whole: a bank is reused only for the same key)."""
     vocab = draft_vocab_for(model_cfg.model, model_cfg.heads, model_cfg.draft_vocab)
     return {"version": BANK_VERSION, "model": model_cfg.model, "chat_format": model_cfg.chat_format,
-            "heads": heads_identity(model_cfg)[1], "data": data, "hardware": hardware_key(hardware),
+            "heads": heads_identity(model_cfg)[1], "data": data, "hardware": hardware.key(),
             "draft_vocab": len(vocab) if vocab else 0, "prompts": calibration.calibration_prompts,
             "budget": calibration.calibration_budget}
-
-
-def hardware_key(hardware: Hardware) -> dict:
-    """The hardware in a bank's key: what sets its step costs (Hardware.step_cost), so a GPU job reuses its bank on
-    another host CPU. A CPU's key also holds the CPU model and leaves out the settings added since (concurrency 1,
-    no quantization, no backend), so banks cached before they were settings keep their keys."""
-    if hardware.on_gpu:
-        return hardware.model_dump(include=set(hardware.step_cost))
-    return hardware.model_dump(exclude={"backend"} | {name for name, old in (("concurrency", 1), ("quantize", "none"))
-                                                      if getattr(hardware, name) == old})
 
 
 def key_name(key: dict, label: str) -> str:

@@ -334,7 +334,7 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     if job.resume:
         finished = finished_keys_task.options(**_on_this_node()).remote(location)
         log.warning("resume: %d rows already in %s are skipped", ray.get(finished[1]), location.uri)
-    if processor.plan.auto_bank:
+    if processor.plan.calibrate:
         plain = _job_rows(prompts, processor, limit, seed, source)  # uncounted: the sample reads a few blocks
         if finished:
             plain = plain.map_batches(_drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)

@@ -24,7 +24,7 @@ from entmtp_ray.decode.acceptance import row_generator
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.results import GenerationResult
 from entmtp_ray.model.loading import LoadedModel
-from entmtp_ray.pipeline.assemble import Stack, fallback_warning, load_stack, plan, warn_if_bank_elsewhere
+from entmtp_ray.pipeline.assemble import Stack, fallback_warning, load_stack, resolve, warn_if_bank_elsewhere
 from entmtp_ray.pipeline.records import RowContext, error_row, result_row
 from entmtp_ray.pipeline.sampling import explain, row_decoding, sample_key
 
@@ -175,8 +175,8 @@ class Engine:
                  executor: TorchThread | None = None):
         self.model_cfg = model_cfg
         self.concurrency = concurrency
-        resolved = plan(model_cfg, decoding, bank, bank_label)
-        if resolved.auto_bank:
+        resolved = resolve(model_cfg, decoding, bank=bank, bank_label=bank_label)
+        if resolved.calibrate:
             log.warning(fallback_warning(model_cfg, resolved.decoding, "this process calibrates no bank"))
         self.decoding = resolved.decoding  # the policy that runs, never `auto`
         if stack is not None and resolved.needs_heads and stack.drafter is None:

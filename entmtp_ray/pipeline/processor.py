@@ -25,10 +25,10 @@ import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
-from entmtp_ray.calibrate.bank import Bank
+from entmtp_ray.calibrate.bank import Actors, Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig, ProcessorConfig
-from entmtp_ray.model.loading import check_quantization, cuda_problem
-from entmtp_ray.pipeline.assemble import AUTO, AUTO_BANK, fallback_warning, plan
+from entmtp_ray.model.loading import cuda_problem
+from entmtp_ray.pipeline.assemble import fallback_warning, resolve
 from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
                                           data_identity, find_cached, key_name, probe_hardware, store)
 from entmtp_ray.pipeline.engine import EngineBroken, TorchThread
@@ -123,11 +123,10 @@ class Processor:
     """The generation stage of one configuration; call it on a Dataset of prompts."""
 
     def __init__(self, config: ProcessorConfig):
-        self.asked = config.decoding
-        self.plan = plan(config.model, config.decoding)  # a broken config fails here, before any work
-        # the actors and rows see the policy that runs (`auto` resolved once, here; an auto bank's fallback until
-        # `calibrate` gives the bank), the manifest the one asked for (plan.requested)
-        self.config = config.model_copy(update={"decoding": self.plan.decoding})
+        self.config = config  # as the user gave it; what runs is self.plan
+        # a broken config fails here, before any work; the plan that runs is resolved again once the actors are
+        # placed (place), when whether the default's shipped bank suits them is known
+        self.plan = resolve(config.model, config.decoding)
         self.bank_json: str | None = None  # a calibrated auto bank, for the actors
         check_device(config.model.device, config.pool.gpus_per_actor)
         self.spec = PromptSpec("dataset", None, config.decoding.task, config.prompt_column, config.id_column,
@@ -135,36 +134,26 @@ class Processor:
         self.placement: ActorPlacement | None = None  # decided once Ray is up (dataplane.connect, or generate)
 
     def place(self) -> ActorPlacement:
-        """The actors' GPUs and device on the connected Ray cluster (placement.place_actors), decided once."""
+        """The actors' GPUs and device on the connected Ray cluster (placement.place_actors), decided once, and the
+        plan for those actors (assemble.resolve: --quantize on their device; the default's shipped bank may not
+        suit them, and is then calibrated afresh). Raises, placing nothing, when the plan fails."""
         if self.placement is None:
             if not ray.is_initialized():
                 ray.init()  # as Ray Data itself would, when the dataset first runs
             gpus = ray.cluster_resources().get("GPU", 0.0)
             placement = place_actors(self.config.model.device, self.config.pool.gpus_per_actor, gpus)
-            model = self.config.model  # --quantize on the device the actors load on, known only now
-            check_quantization(model.model, model.quantize, placement.device, model.dtype)
+            if self.bank_json is None:  # a calibrated bank stays
+                before, self.plan = self.plan, resolve(self.config.model, self.config.decoding, self.actors(placement))
+                if self.plan.calibrate and not before.calibrate:
+                    log.warning("the default bank does not suit the actors: %s", self.plan.source)
             self.placement = placement
-            self._calibrate_for_this_device()
         return self.placement
 
-    def _calibrate_for_this_device(self) -> None:
-        """The default policy chose a shipped bank measured on the other kind of device (a CPU bank, actors on a
-        GPU, or the reverse), at another --concurrent-requests or with other --quantize weights: its trees were
-        sized for other step costs, so calibrate one here instead."""
-        bank, asked = self.plan.bank, self.asked
-        if asked.policy != AUTO or asked.bank or bank is None or self.bank_json is not None:
-            return
-        on_gpu = self.placement.device.startswith("cuda")
-        concurrency, quantize = self.config.pool.concurrent_requests, self.config.model.quantize
-        if (on_gpu == bank.hardware.on_gpu and bank.hardware.concurrency == concurrency
-                and bank.hardware.quantize == quantize):
-            return
-        log.warning("the shipped bank %s was measured on %s, and the actors run on %s with %d concurrent requests "
-                    "and %s weights: calibrating one for them (--bank auto; pass --bank %s to keep it)",
-                    self.plan.bank_label, bank.hardware.describe(), self.placement.device, concurrency, quantize,
-                    self.plan.bank_label)
-        self.plan = plan(self.config.model, asked.model_copy(update={"bank": AUTO_BANK}))
-        self.config = self.config.model_copy(update={"decoding": self.plan.decoding})
+    def actors(self, placement: ActorPlacement | None = None) -> Actors:
+        """What the resolver knows of the actors (of `placement`, else of this processor's)."""
+        placement = placement or self.placement
+        return Actors(on_gpu=placement.device.startswith("cuda"), concurrency=self.config.pool.concurrent_requests,
+                      quantize=self.config.model.quantize)
 
     def __call__(self, dataset: "ray.data.Dataset") -> "ray.data.Dataset":
         """`dataset` rows with a prompt (or messages) column -> rows with the output columns added (the
@@ -178,8 +167,8 @@ class Processor:
         """The stage on rows that already hold the prompt columns (tasks.standardize's output). With an auto bank
         not yet calibrated, this calibrates it first, on the first rows (`calibrate`)."""
         samples = self.expand(prompts)
-        self.place()  # may ask for an auto bank (_calibrate_for_this_device)
-        if self.plan.auto_bank:
+        self.place()  # resolves the plan for the placed actors: it may calibrate a bank
+        if self.plan.calibrate:
             self.calibrate(samples)
         return self.decode(samples)
 
@@ -238,7 +227,7 @@ class Processor:
                     report["hardware"], work.uri)
         task = ray.remote(calibrate_on_worker).options(**resources, max_retries=1)
         try:
-            result = ray.get(task.remote(model, self.config.decoding.model_dump(), threads, rows, work.uri,
+            result = ray.get(task.remote(model, self.plan.requested.model_dump(), threads, rows, work.uri,
                                          f"{label}-auto", calibration.calibration_budget, label, concurrency))
         except Exception as exc:  # noqa: BLE001 - a failed calibration falls back, it never ends the job
             report.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -258,8 +247,8 @@ class Processor:
         report."""
         report = auto.report
         if auto.bank is not None:
-            self.plan = plan(self.config.model, self.plan.requested, auto.bank, auto.label)
-            self.config = self.config.model_copy(update={"decoding": self.plan.decoding})
+            self.plan = resolve(self.config.model, self.config.decoding, self.actors(), bank=auto.bank,
+                                bank_label=auto.label)
             self.bank_json = auto.bank.model_dump_json()
             policy = auto.bank.policy
             switching = policy.signals[policy.signal]
@@ -287,7 +276,7 @@ class Processor:
         return samples.repartition(target_num_rows_per_block=pool.rows_per_block).map_batches(
             GenerateActor,
             fn_constructor_kwargs={"model_cfg": self.config.model.model_dump() | {"device": placement.device},
-                                   "decoding": self.config.decoding.model_dump(),
+                                   "decoding": self.plan.decoding.model_dump(),
                                    "threads": max(1, int(pool.cpus_per_actor)),
                                    "bank": self.bank_json, "bank_label": self.plan.bank_label,
                                    "concurrency": pool.concurrent_requests},

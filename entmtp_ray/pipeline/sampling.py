@@ -1,9 +1,10 @@
 """Per-row sampling settings and several samples per prompt. Knows nothing about Ray or models.
 
 A row may carry a `sampling_params` column (as `ray.data.llm`'s processors take it): an object (a Parquet
-struct, a dict in a user's Dataset, or its JSON text in JSON lines and CSV) with any of SAMPLING_KEYS. Its
-values override the job's settings for that row; a missing or null key keeps the job's. A value that is not
-valid, alone or with the job's other settings, makes the row an error row that says why, and the job goes on.
+struct, a dict in a user's Dataset, or its JSON text in JSON lines and CSV) with any of SAMPLING_KEYS, the fields
+of config.SamplingParams. Its values override the job's sampling settings for that row; a missing or null key
+keeps the job's. The merged settings are checked as one SamplingParams (the engine's settings are the job's and
+need no check); one that is not valid makes the row an error row that says why, and the job goes on.
 
 `expand` turns each prompt row into `n` rows (the job's --n, or the row's own), one per sample, numbered by
 SAMPLE_INDEX; a sample's key (`sample_key`) is its row id with `#<index>` after the first, and seeds its
@@ -19,13 +20,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import ValidationError
 
-from entmtp_ray.config import DecodingConfig
+from entmtp_ray.config import DecodingConfig, SamplingParams
 
 SAMPLING_COLUMN = "sampling_params"
 SAMPLE_INDEX = "_sample_index"
 SAMPLING = "_sampling"  # the row's overrides as JSON text, checked (null: the job's settings)
-# the settings a row may set; vLLM's `max_tokens` is read as max_new_tokens
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed", "n")
+# the settings a row may set: a request's own (SamplingParams); vLLM's `max_tokens` is read as max_new_tokens
+SAMPLING_KEYS = tuple(SamplingParams.model_fields)
 ALIASES = {"max_tokens": "max_new_tokens"}
 KEY_SEPARATOR = "#"
 
@@ -76,15 +77,16 @@ def parse_overrides(value) -> tuple[dict, str | None]:
 
 
 def row_decoding(job: DecodingConfig, overrides: dict) -> DecodingConfig:
-    """The job's settings with a row's overrides, checked as the job's own are. Acceptance follows the row's
-    temperature where the job's cannot serve it: greedy acceptance with a row temperature above 0 becomes
-    exact (the distribution-preserving default for sampling)."""
+    """The job's settings with a row's sampling overrides, checked as one SamplingParams (ValidationError says
+    what is wrong). Acceptance follows the row's temperature where the job's cannot serve it: greedy acceptance
+    with a row temperature above 0 becomes exact (the distribution-preserving default for sampling), unless the
+    row names its acceptance."""
     if not overrides:
         return job
-    merged = job.model_dump() | overrides
-    if merged["acceptance"] == "greedy" and _positive(merged["temperature"]):
-        merged["acceptance"] = None  # -> exact, by DecodingConfig's rule
-    return DecodingConfig(**merged)
+    merged = job.sampling().model_dump() | overrides
+    if "acceptance" not in overrides and merged["acceptance"] == "greedy" and _positive(merged["temperature"]):
+        merged["acceptance"] = None  # -> exact, by SamplingParams' rule
+    return job.model_copy(update=SamplingParams(**merged).model_dump())
 
 
 def _positive(value) -> bool:
