@@ -167,3 +167,35 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_fo
     started = time.monotonic()
     wait_for_build_lock(lock, stale_s=0.3, poll_s=0.05)
     assert not lock.exists() and time.monotonic() - started >= 0.25
+
+
+SERIAL_BUILD = """
+import hashlib, logging, sys
+import torch
+from entmtp_ray.model import attention
+logging.basicConfig(level=logging.WARNING)
+attention.BUILDS = (("", ["-fopenmp", "-fentmtp-no-such-flag"]), ("_serial", []))  # a compiler refusing -fopenmp
+assert attention.fixed_order_ready()
+g = torch.Generator().manual_seed(0)
+q, k, v = [torch.randn(3, n, 64, generator=g).to(torch.bfloat16) for n in (9, 70, 70)]
+out = attention.fixed_order_attention(q, k, v, None, 0.125)
+print(hashlib.sha256(out.view(torch.int16).numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.slow  # a second build of the kernel, about 40 s
+def test_a_compiler_without_openmp_builds_the_kernel_for_one_thread_with_the_same_bits(tmp_path):
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", SERIAL_BUILD], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "built without OpenMP" in done.stderr and "on one thread" in done.stderr
+    assert list(tmp_path.glob("*_serial-torch*/*.so")), "the serial build, in a folder of its own"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = [torch.randn(3, n, 64, generator=g).to(torch.bfloat16) for n in (9, 70, 70)]
+    ours = fixed_order_attention(q, k, v, None, 0.125)  # the OpenMP build's
+    assert done.stdout.split()[-1] == hashlib.sha256(ours.view(torch.int16).numpy().tobytes()).hexdigest()

@@ -16,10 +16,10 @@ threads (OpenMP) by blocks that never split one row's ordered sums. Lanes never 
 row's arithmetic is the same sequence of one-rounding operations, with no contraction into FMA
 (-ffp-contract=off), so neither the thread count nor the row count changes a bit.
 
-The kernel is C++ built on first use by torch's extension loader (a C++ compiler with OpenMP, and ninja; about
-40 s, cached per machine in torch's extensions folder, TORCH_EXTENSIONS_DIR when set; a build lock a killed build
-left is removed once stale). Where it cannot be built, `fixed_order_ready()` is False, a warning says why once, and the forward keeps
-SDPA (greedy output then equals AR's up to float ties, as before); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA by
+The kernel is C++ built on first use by torch's extension loader (a C++ compiler, with OpenMP for torch's threads
+and else on one thread, and ninja; about 40 s, cached per machine in torch's extensions folder,
+TORCH_EXTENSIONS_DIR when set; a build lock a killed build left is removed once stale). Where it cannot be built,
+`fixed_order_ready()` is False, a warning says why once, and the forward keeps SDPA (greedy output then equals AR's up to float ties, as before); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA by
 choice (a host where SDPA is faster and ties are acceptable).
 """
 
@@ -249,36 +249,53 @@ _off = threading.local()  # sdpa_only() inside this thread
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 
 
+# the builds tried in turn: with OpenMP (the passes split across torch's threads), else without (one thread, the
+# same bits: a compiler without OpenMP, as Apple's clang without libomp)
+BUILDS = (("", ["-fopenmp"]), ("_serial", []))
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+
+
 def _build():
     global _kernel
     with _lock:
         if _kernel is None:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                folder = build_folder()
-                folder.mkdir(parents=True, exist_ok=True)
-                wait_for_build_lock(folder / "lock", STALE_BUILD_LOCK_S)
-                _kernel = load_inline(_NAME, cpp_sources=[_SOURCE], functions=["fixed_order_attention"],
-                                      extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                                      extra_ldflags=["-fopenmp"],
-                                      build_directory=str(folder))
-            except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: SDPA serves instead
-                log.warning("fixed-order attention could not be built (%s: %s); bf16/fp16 on CPU keeps SDPA, whose "
-                            "greedy output equals AR's up to float ties. Install a C++ compiler and ninja for "
-                            "bit-for-bit output", type(exc).__name__, str(exc).splitlines()[-1][:300] if str(exc)
-                            else "")
-                _kernel = False
+            _kernel = False
+            problems = []
+            for suffix, openmp in BUILDS:
+                try:
+                    _kernel = _load(suffix, openmp)
+                    break
+                except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: SDPA serves instead
+                    problems.append(f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}")
+            if _kernel is False:
+                log.warning("fixed-order attention could not be built (%s); bf16/fp16 on CPU keeps SDPA, whose greedy "
+                            "output equals AR's up to float ties. Install a C++ compiler and ninja for bit-for-bit "
+                            "output", "; ".join(problems))
+            elif problems:
+                log.warning("fixed-order attention was built without OpenMP (%s): it runs on one thread, the same bits "
+                            "more slowly; a compiler with OpenMP (e.g. libomp for clang) gives it torch's threads",
+                            problems[0])
     return _kernel
 
 
-def build_folder() -> Path:
+def _load(suffix: str, openmp: list[str]):
+    from torch.utils.cpp_extension import load_inline
+
+    folder = build_folder(suffix)
+    folder.mkdir(parents=True, exist_ok=True)
+    wait_for_build_lock(folder / "lock", STALE_BUILD_LOCK_S)
+    return load_inline(_NAME + suffix, cpp_sources=[_SOURCE], functions=["fixed_order_attention"],
+                       extra_cflags=_FLAGS + openmp, extra_ldflags=openmp, build_directory=str(folder))
+
+
+def build_folder(suffix: str = "") -> Path:
     """Where the kernel is built and cached: torch's extensions folder (TORCH_EXTENSIONS_DIR when set, else
-    ~/.cache/torch_extensions), one folder per kernel and torch version, shared by every process of the machine."""
+    ~/.cache/torch_extensions), one folder per kernel, build and torch version, shared by every process of the
+    machine."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"{_NAME}-torch{torch.__version__}"
+    return Path(root) / f"{_NAME}{suffix}-torch{torch.__version__}"
 
 
 def wait_for_build_lock(lock: Path, stale_s: float, poll_s: float = 1.0) -> None:
