@@ -160,6 +160,10 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
     assert on_gpu.plan.calibrate and on_gpu.plan.requested.bank == AUTO_BANK
     assert "was timed on cpu" in on_gpu.plan.source and "a CPU, not a GPU" in on_gpu.plan.source
     assert on_gpu.config.decoding == DecodingConfig(task="gsm8k")  # the user's settings, never rewritten
+    calibrated = resolve(ModelConfig(), DecodingConfig(task="gsm8k"), on_gpu.actors(ActorPlacement(1.0, "cuda", True)),
+                         bank=on_gpu.plan.bank, bank_label="out/_banks/k/bank.json")
+    assert calibrated.requested.bank == AUTO_BANK and not calibrated.calibrate  # the same decision, now served
+    assert calibrated.source == "calibrated on the job's prompts (out/_banks/k/bank.json)"
     # until calibrated: the shipped bank, its fallback
     assert on_gpu.plan.decoding.bank.endswith("gsm8k.json") and on_gpu.plan.bank_label.endswith("gsm8k.json")
     assert not placed(DecodingConfig(task="gsm8k"), "cpu").plan.calibrate  # the device it was timed on

@@ -124,7 +124,7 @@ def resolve(model_cfg: ModelConfig, decoding: DecodingConfig, actors: Actors | N
         raise ValueError(f"--bank auto calibrates a bank for the entmtp policies; --policy {requested.policy} reads "
                          "none: drop --bank or pick an entmtp policy")
     by_default = decoding.policy == AUTO and not decoding.bank
-    if by_default and actors is not None and requested.bank != AUTO_BANK and bank is None:
+    if by_default and actors is not None and requested.bank != AUTO_BANK:  # a calibrated bank in hand too
         shipped = load_bank(resolve_bank_path(model_cfg.model, requested.task, requested.bank))
         differences = shipped.hardware.matches(actors)
         if differences:
