@@ -304,3 +304,33 @@ def test_a_mixed_bank_calibrates_on_an_even_share_of_each_tasks_tune_prompts():
     assert all(p for p in table.column("prompt").to_pylist())
     assert calibration_source(["gsm8k", "humaneval"], gsm8k) == "gsm8k: gsm8k_train_200.jsonl (a local copy) + humaneval"
     assert calibration_source(["sharegpt"], None) == "sharegpt"
+
+
+def test_a_bank_leaves_out_of_its_calibration_the_prompts_its_heads_were_trained_on(tmp_path, capsys):
+    """The shipped heads list the prompt ids they were trained on (seen_prompts.json): a bank built for them
+    calibrates and measures on other tune prompts, so its acceptance is what unseen prompts get."""
+    from entmtp_ray.config import ModelConfig
+    from entmtp_ray.jobs import build_bank
+    from entmtp_ray.pipeline.tasks import load_prompts
+
+    seen, left_out = build_bank.seen_prompts(ModelConfig(), None)  # the shipped heads' own list
+    assert len(seen["humaneval"]) == 84 and len(seen["gsm8k"]) == 960 and "of seen_prompts.json" in left_out
+    gsm8k = str(Path(__file__).parent / "fixtures" / "gsm8k_train_200.jsonl")
+    every = set(load_prompts("gsm8k", gsm8k, split="train", subset="tune").column("id").to_pylist())
+    assert every & seen["gsm8k"], "the fixture holds prompts the heads saw"
+    kept = set(build_bank.calibration_prompts(["gsm8k"], gsm8k, "train", 500, 123, seen).column("id").to_pylist())
+    assert kept == every - seen["gsm8k"]
+    # every HumanEval tune problem trained the heads: nothing is left, and the job says how to go on
+    assert len(build_bank.calibration_prompts(["humaneval"], None, "train", 10, 123, seen)) == 0
+    with pytest.raises(SystemExit):
+        build_bank.main(["--task", "humaneval", "--out", str(tmp_path / "b.json"), "--work", str(tmp_path / "w")])
+    assert "pass --seen none" in capsys.readouterr().err
+    assert build_bank.seen_prompts(ModelConfig(), "none") == ({}, "")
+    heads = tmp_path / "heads"  # a local heads folder's own list
+    heads.mkdir()
+    (heads / "seen_prompts.json").write_text(json.dumps({"source": "mine", "gsm8k": ["row-0000001"]}))
+    assert build_bank.seen_prompts(ModelConfig(heads=str(heads)), None)[0] == {"gsm8k": {"row-0000001"}}
+    assert build_bank.seen_prompts(ModelConfig(heads=str(tmp_path)), None) == ({}, "")  # none listed
+    (tmp_path / "bad.json").write_text("[1,")
+    with pytest.raises(ValueError, match="pass --seen none"):
+        build_bank.seen_prompts(ModelConfig(), str(tmp_path / "bad.json"))

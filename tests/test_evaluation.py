@@ -11,7 +11,7 @@ import pytest
 from entmtp_ray.config import ModelConfig
 from entmtp_ray.train.evaluation import eval_heads, format_report
 from entmtp_ray.model.loading import load_model
-from entmtp_ray.train.trainer import distill, generated_conversations
+from entmtp_ray.train.trainer import distill, distilled_ids, generated_conversations
 
 
 def test_eval_heads_report_pools_steps_per_task_and_temperature(tiny_model_dirs):
@@ -44,8 +44,9 @@ def test_eval_heads_cli_refuses_unknown_task():
 def test_distill_writes_replies_and_resumes(tiny_model_dirs, tmp_path):
     loaded = load_model(str(tiny_model_dirs[0]), dtype="fp32", device="cpu")
     prompts = pa.table({"id": ["a", "b", "c"], "prompt": ["Hi.", "Name a colour.", "Count to three."]})
-    assert distill(loaded, prompts, tmp_path, batch_size=2, max_new_tokens=5, progress=False) == 3
+    assert distill(loaded, prompts, tmp_path, batch_size=2, max_new_tokens=5, progress=False, task="gsm8k") == 3
     assert distill(loaded, prompts, tmp_path, batch_size=2, max_new_tokens=5, progress=False) == 0  # resumed
+    assert distilled_ids([str(tmp_path)]) == {"gsm8k": {"a", "b", "c"}}  # what heads trained on them list
     chats = list(generated_conversations([str(tmp_path)]))
     assert sorted(c[0]["content"] for c in chats) == ["Count to three.", "Hi.", "Name a colour."]
     assert all(c[1]["role"] == "assistant" for c in chats)

@@ -328,6 +328,13 @@ def test_train_heads_job_fine_tunes_from_init_heads_and_counts_their_tokens(tiny
     cards = {d: json.loads((tmp_path / d / "model_card.json").read_text()) for d in ("first", "tuned")}
     start = cards["tuned"]["init_heads"]
     assert start["path"] == str(tmp_path / "first") and len(start["weights_sha256"]) == 64
+    # the prompts that trained them, beside the heads, for a bank to leave out: the first 6 tune conversations
+    # (both runs read the same), and the tuned heads carry their init heads' too
+    from entmtp_ray.train.trainer import sharegpt_records
+
+    seen = {d: json.loads((tmp_path / d / "seen_prompts.json").read_text()) for d in ("first", "tuned")}
+    assert seen["first"]["sharegpt"] == sorted(i for i, _ in sharegpt_records(6)) == seen["tuned"]["sharegpt"]
+    assert "--init-heads" in seen["tuned"]["source"] and "--init-heads" not in seen["first"]["source"]
     assert start["target_tokens_seen_in_total"] == cards["first"]["target_tokens_seen"] > 0
     assert (cards["tuned"]["target_tokens_seen_in_total"]
             == cards["first"]["target_tokens_seen"] + cards["tuned"]["target_tokens_seen"])

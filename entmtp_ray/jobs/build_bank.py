@@ -29,10 +29,12 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import torch
 
+from entmtp_ray.assets import shipped_heads
 from entmtp_ray.calibrate.bank import save_bank, selection_report
 from entmtp_ray.pipeline.calibration import CalibrationRow, build_bank
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig, PoolConfig, ProcessorConfig
+from entmtp_ray.model.heads import SEEN_PROMPTS_FILE
 from entmtp_ray.pipeline.engine import Engine
 from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS, TASKS, load_prompts
 
@@ -64,16 +66,40 @@ def calibration_source(tasks: list[str], dataset: str | None) -> str:
     return " + ".join(one(t) for t in tasks)
 
 
-def calibration_prompts(tasks: list[str], dataset: str | None, split: str, prompts: int, seed: int) -> pa.Table:
-    """The `tune` prompts to calibrate on: one task's, or an even mix of several tasks' (ids prefixed with
-    their task, so they stay unique; only the prompt columns, as the tasks' own columns differ)."""
+def seen_prompts(model_cfg: ModelConfig, path: str | None) -> tuple[dict[str, set[str]], str]:
+    """The prompt ids a bank for these heads leaves out of its calibration, so its replayed and measured acceptance
+    is what prompts the heads never saw get: `path` ('none': none), else the heads' own SEEN_PROMPTS_FILE file (the
+    shipped heads', or a local heads folder's). Returns them by task, and what they are for the bank's record."""
+    if path == "none":
+        return {}, ""
+    if path is None:
+        heads = shipped_heads(model_cfg.model) if model_cfg.heads is None else Path(model_cfg.heads)
+        if not (heads / SEEN_PROMPTS_FILE).is_file():
+            return {}, ""
+        path = str(heads / SEEN_PROMPTS_FILE)
+    try:
+        listed = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--seen {path}: not a readable JSON file of {{task: [prompt ids]}} ({exc}); fix it, or pass "
+                         "--seen none to calibrate on any tune prompt") from None
+    seen = {task: set(map(str, ids)) for task, ids in listed.items() if task in TASKS}
+    return seen, f"the heads' training prompts ({sum(map(len, seen.values()))} ids of {Path(path).name})"
+
+
+def calibration_prompts(tasks: list[str], dataset: str | None, split: str, prompts: int, seed: int,
+                        seen: dict[str, set[str]] | None = None) -> pa.Table:
+    """The `tune` prompts to calibrate on, less the `seen` ids of each task: one task's, or an even mix of several
+    tasks' (ids prefixed with their task, so they stay unique; only the prompt columns, as the tasks' own columns
+    differ)."""
+    seen = seen or {}
     if len(tasks) == 1:
-        return load_prompts(tasks[0], dataset, split=split, limit=prompts, seed=seed, subset="tune")
+        return load_prompts(tasks[0], dataset, split=split, limit=prompts, seed=seed, subset="tune",
+                            exclude=seen.get(tasks[0]))
     parts = []
     for k, task in enumerate(tasks):
         share = prompts // len(tasks) + (k < prompts % len(tasks))
         table = load_prompts(task, dataset if task == "gsm8k" else None, split=split, limit=share, seed=seed,
-                             subset="tune").select(list(INTERNAL_COLUMNS))
+                             subset="tune", exclude=seen.get(task)).select(list(INTERNAL_COLUMNS))
         ids = [f"{task}:{i}" for i in table.column("id").to_pylist()]
         parts.append(table.set_column(0, "id", pa.array(ids, pa.string())))
     return pa.concat_tables(parts)
@@ -89,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="train")
     p.add_argument("--prompts", type=int, default=100, help="calibration prompts (tune subset)")
     p.add_argument("--seed", type=int, default=123)
+    p.add_argument("--seen", default=None, help="a JSON file of {task: [prompt ids]} the heads were trained on, left "
+                   f"out of the calibration prompts (default: the heads' own {SEEN_PROMPTS_FILE}, as the shipped heads "
+                   "have; 'none': calibrate on any tune prompt)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=64, help="node budget of the grown trees")
     p.add_argument("--timing-prompts", type=int, default=3, help="prompts each tree's step time is measured on")
@@ -116,7 +145,13 @@ def main(argv=None) -> int:
     if len(args.task) > 1 and not args.name:
         p.error("several --task values make a mixed bank: name it with --name (e.g. general)")
     bank_name = args.name or args.task[0]
-    table = calibration_prompts(args.task, args.dataset, args.split, args.prompts, args.seed)
+    seen, left_out = seen_prompts(model_cfg, args.seen)
+    table = calibration_prompts(args.task, args.dataset, args.split, args.prompts, args.seed, seen)
+    if not len(table):
+        p.error(f"no tune prompt of {' '.join(args.task)} is left once {left_out} are left out: pass --seen none")
+    if len(table) < args.prompts:
+        print(f"calibrating on {len(table)} prompts, not --prompts {args.prompts}: the tune subset has no more once "
+              f"{left_out or 'nothing'} is left out", file=sys.stderr)
     rollout_dir = rollouts(args, model_cfg, table, work)
     if args.rollouts_only:
         return 0
@@ -132,7 +167,7 @@ def main(argv=None) -> int:
     built = build_bank(engine, rows, table.column("prompt").to_pylist()[: args.timing_prompts], work, name=bank_name,
                        budget=args.budget, max_new_tokens=args.max_new_tokens,
                        calibration={"source": calibration_source(args.task, args.dataset), "subset": "tune",
-                                    "seed": args.seed})
+                                    "seed": args.seed, **({"left_out": left_out} if left_out else {})})
     save_bank(built.bank, args.out)
     policy = built.bank.policy
     print(selection_report(built.bank), file=sys.stderr)

@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         print(f"--match: {sum(found)} of {len(found)} prompts match, {len(prompts)} kept", file=sys.stderr)
     loaded = load_model(args.model, dtype=args.dtype)
     started = time.time()
-    n = distill(loaded, prompts, args.out, args.batch_size, args.max_new_tokens, args.max_prompt_tokens)
+    n = distill(loaded, prompts, args.out, args.batch_size, args.max_new_tokens, args.max_prompt_tokens,
+                task=args.task)
     print(f"{n} replies written to {args.out} in {time.time() - started:.0f}s", file=sys.stderr)
     return 0
 

@@ -21,13 +21,33 @@ from pathlib import Path
 import torch
 
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
-from entmtp_ray.model.heads import init_heads, load_heads, save_draft_vocab, weights_file
+from entmtp_ray.model.heads import SEEN_PROMPTS_FILE, init_heads, load_heads, save_draft_vocab, weights_file
 from entmtp_ray.config import ModelConfig
 from entmtp_ray.model.loading import load_model, machine_name
 from entmtp_ray.pipeline.manifest import content_hash
 from entmtp_ray.train.cache import TeacherCache
-from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, coverage, evaluate, generated_conversations,
-                                      rank_targets, sharegpt_conversations, train)
+from entmtp_ray.train.trainer import (TrainConfig, chat_sequence, coverage, distilled_ids, evaluate,
+                                      generated_conversations, rank_targets, sharegpt_conversations, sharegpt_records,
+                                      train)
+
+
+def write_seen_prompts(out: Path, *found: dict[str, set[str]] | str | None) -> None:
+    """SEEN_PROMPTS_FILE beside the heads: the prompt ids, by task, that trained them (this run's ShareGPT
+    conversations and self-distillation prompts, and with --init-heads, theirs), which jobs/build_bank.py leaves out
+    of a bank's calibration. A str: a heads folder whose own list is added."""
+    seen: dict[str, set[str]] = {}
+    for part in found:
+        if isinstance(part, str):
+            listed = Path(part) / SEEN_PROMPTS_FILE
+            part = {k: set(v) for k, v in json.loads(listed.read_text()).items() if isinstance(v, list)} \
+                if listed.is_file() else {}
+        for task, ids in (part or {}).items():
+            seen.setdefault(task, set()).update(ids)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SEEN_PROMPTS_FILE).write_text(json.dumps(
+        {"source": "jobs/train_heads.py: the prompts of its ShareGPT conversations and self-distillation folders"
+                   + (" and of its --init-heads" if any(isinstance(p, str) for p in found) else ""),
+         **{task: sorted(ids) for task, ids in sorted(seen.items()) if ids}}, indent=0) + "\n")
 
 
 def main(argv=None) -> int:
@@ -74,7 +94,8 @@ def main(argv=None) -> int:
     else:
         heads, start = init_heads(loaded.model, args.num_heads, args.num_layers, shared_lm_head=not args.own_lm_heads,
                                   seed=cfg.seed, base_name=args.model), None
-    conversations = list(sharegpt_conversations(args.sharegpt)) + args.distill_repeat * list(
+    sharegpt = list(sharegpt_records(args.sharegpt))
+    conversations = [turns for _, turns in sharegpt] + args.distill_repeat * list(
         generated_conversations(args.self_distill))
     random.Random(cfg.seed).shuffle(conversations)
     training = [s for s in (chat_sequence(loaded, c, cfg.max_len) for c in conversations) if s is not None]
@@ -99,6 +120,8 @@ def main(argv=None) -> int:
                          cfg.draft_vocab or min(8192, len(ranked)))
 
     out = Path(args.out)
+    write_seen_prompts(out, {"sharegpt": {i for i, _ in sharegpt}}, distilled_ids(args.self_distill),
+                       args.init_heads)
     pad_id = loaded.tokenizer.pad_token_id or 0
     cache = None
     if not args.no_cache:

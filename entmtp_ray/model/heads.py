@@ -28,6 +28,7 @@ CONFIG_FILE = "heads_config.json"
 WEIGHTS_FILE = "heads.safetensors"
 HYDRA_WEIGHTS_FILE = "hydra_lm_head.pt"  # a published Hydra checkpoint's weights, beside its config.json
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+SEEN_PROMPTS_FILE = "seen_prompts.json"  # {task: [prompt ids]} the heads were trained on (jobs/train_heads.py)
 FORMAT_VERSION = 1
 
 

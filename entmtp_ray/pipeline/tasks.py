@@ -375,16 +375,19 @@ def select_subset(table: pa.Table, task: str | None, subset: str) -> pa.Table:
 
 def load_prompts(task: str | None, dataset: str | None, split: str = "test", prompt_column: str | None = None,
                  id_column: str | None = None, messages_column: str | None = None, limit: int | None = None,
-                 seed: int = 123, subset: str = "all") -> pa.Table:
-    """The whole prompt table of a named task or a dataset, in this process, restricted to `subset` and
-    sampled to `limit` rows with `seed` (numpy's generator over positions: the tools' samples). For the
-    benchmarks and calibration tools; the generation job streams the same specs through Ray instead."""
+                 seed: int = 123, subset: str = "all", exclude: set[str] | None = None) -> pa.Table:
+    """The whole prompt table of a named task or a dataset, in this process, restricted to `subset`, less the ids
+    in `exclude`, and sampled to `limit` rows with `seed` (numpy's generator over positions: the tools' samples).
+    For the benchmarks and calibration tools; the generation job streams the same specs through Ray instead."""
     spec = prompt_spec(task, dataset, split, prompt_column, id_column, messages_column)
     chunks = [standardize(chunk, spec, label) for chunk, label in iter_chunks(spec)]
     table = pa.concat_tables(chunks, promote_options="permissive") if chunks else EMPTY.empty_table()
     if len(set(table.column("id").to_pylist())) != table.num_rows:
         raise ValueError("ids are not unique; pick a unique --id-column or drop it to get ids from row positions")
-    return sample(select_subset(table, task, subset), limit, seed)
+    table = select_subset(table, task, subset)
+    if exclude:
+        table = table.filter(pa.array([i not in exclude for i in table.column("id").to_pylist()], pa.bool_()))
+    return sample(table, limit, seed)
 
 
 def sample(table: pa.Table, limit: int | None, seed: int) -> pa.Table:

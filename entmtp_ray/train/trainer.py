@@ -89,6 +89,11 @@ def chat_sequence(loaded: LoadedModel, turns: list[dict], max_len: int) -> Seque
 def sharegpt_conversations(limit: int, subset: str = "tune") -> Iterator[list[dict]]:
     """The first `limit` ShareGPT conversations of `subset` ('tune' or 'eval', see tasks.select_subset)
     as [{role, content}] turns, starting with a user turn."""
+    yield from (turns for _, turns in sharegpt_records(limit, subset))
+
+
+def sharegpt_records(limit: int, subset: str = "tune") -> Iterator[tuple[str, list[dict]]]:
+    """sharegpt_conversations with each conversation's id (the ShareGPT task's prompt id)."""
     from entmtp_ray.pipeline.tasks import is_eval_row, iter_sharegpt
 
     roles = {"human": "user", "gpt": "assistant"}
@@ -105,7 +110,7 @@ def sharegpt_conversations(limit: int, subset: str = "tune") -> Iterator[list[di
         seen += 1
         if seen > limit:
             return
-        yield turns
+        yield str(record.get("id")), turns
 
 
 def generated_conversations(directories: Iterable[str]) -> Iterator[list[dict]]:
@@ -119,20 +124,42 @@ def generated_conversations(directories: Iterable[str]) -> Iterator[list[dict]]:
                 yield [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["output_text"]}]
 
 
+# beside a self-distillation folder's parts: {"task"} its prompts' ids belong to ("_": Parquet readers skip it)
+DISTILL_FILE = "_distill.json"
+
+
+def distilled_ids(directories: Iterable[str]) -> dict[str, set[str]]:
+    """The prompt ids of self-distillation folders, by the task distill() recorded for each (a folder without
+    one, e.g. another job's output, names no task and adds none)."""
+    import pyarrow.dataset as pads
+
+    ids: dict[str, set[str]] = {}
+    for directory in directories:
+        meta = Path(directory) / DISTILL_FILE
+        if meta.is_file() and json.loads(meta.read_text()).get("task"):
+            found = pads.dataset(directory, format="parquet").to_table(columns=["id"]).column("id").to_pylist()
+            ids.setdefault(json.loads(meta.read_text())["task"], set()).update(map(str, found))
+    return ids
+
+
 def distill(loaded: LoadedModel, prompts: pa.Table, out_dir: str | Path, batch_size: int = 32,
-            max_new_tokens: int = 256, max_prompt_tokens: int = 384, progress: bool = True) -> int:
+            max_new_tokens: int = 256, max_prompt_tokens: int = 384, progress: bool = True,
+            task: str | None = None) -> int:
     """Self-distillation data: the base model's own greedy replies to `prompts` (columns id, prompt).
 
     Replies are generated in padded batches with transformers `generate` (much faster than batch size
     1 on any hardware; the training data need not match the engine token for token) and written as one
     Parquet part per batch with the columns generated_conversations() reads, so a killed run resumes
     where it stopped. Prompts over `max_prompt_tokens` are skipped: training cuts sequences short, so
-    their replies would not be seen. Returns the number of rows written by this call.
+    their replies would not be seen. `task`: the task the prompts' ids belong to, recorded in DISTILL_FILE so that
+    heads trained on these replies list them (distilled_ids). Returns the number of rows written by this call.
     """
     import pyarrow.parquet as pq
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if task:
+        (out / DISTILL_FILE).write_text(json.dumps({"task": task}) + "\n")
     done = set()
     for part in sorted(out.glob("part-*.parquet")):
         done.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
