@@ -150,8 +150,8 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
     from entmtp_ray.pipeline.placement import ActorPlacement
     from entmtp_ray.pipeline.processor import Processor
 
-    def placed(decoding: DecodingConfig, device: str, quantize: str = "none") -> Processor:
-        processor = Processor(ProcessorConfig(decoding=decoding, model=ModelConfig(quantize=quantize)))
+    def placed(decoding: DecodingConfig, device: str, quantize: str = "none", dtype: str = "bf16") -> Processor:
+        processor = Processor(ProcessorConfig(decoding=decoding, model=ModelConfig(quantize=quantize, dtype=dtype)))
         placement = ActorPlacement(gpus=1.0 if device == "cuda" else 0.0, device=device, auto=True)
         processor.plan = resolve(processor.config.model, processor.config.decoding, processor.actors(placement))
         return processor
@@ -160,7 +160,8 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
     assert on_gpu.plan.calibrate and on_gpu.plan.requested.bank == AUTO_BANK
     assert "was timed on cpu" in on_gpu.plan.source and "a CPU, not a GPU" in on_gpu.plan.source
     assert on_gpu.config.decoding == DecodingConfig(task="gsm8k")  # the user's settings, never rewritten
-    calibrated = resolve(ModelConfig(), DecodingConfig(task="gsm8k"), on_gpu.actors(ActorPlacement(1.0, "cuda", True)),
+    calibrated = resolve(ModelConfig(dtype="bf16"), DecodingConfig(task="gsm8k"),
+                         on_gpu.actors(ActorPlacement(1.0, "cuda", True)),
                          bank=on_gpu.plan.bank, bank_label="out/_banks/k/bank.json")
     assert calibrated.requested.bank == AUTO_BANK and not calibrated.calibrate  # the same decision, now served
     assert calibrated.source == "calibrated on the job's prompts (out/_banks/k/bank.json)"
@@ -168,6 +169,8 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
     assert on_gpu.plan.decoding.bank.endswith("gsm8k.json") and on_gpu.plan.bank_label.endswith("gsm8k.json")
     assert not placed(DecodingConfig(task="gsm8k"), "cpu").plan.calibrate  # the device it was timed on
     assert placed(DecodingConfig(task="gsm8k"), "cpu", "int4").plan.calibrate  # timed on unquantized weights
+    fp32 = placed(DecodingConfig(task="gsm8k"), "cpu", dtype="fp32")  # the variant timed in fp32 serves them
+    assert not fp32.plan.calibrate and fp32.plan.bank.hardware.dtype == "float32"
     kept = placed(DecodingConfig(task="gsm8k", policy="entmtp-tau"), "cuda")  # asked for by name: kept
     assert not kept.plan.calibrate and kept.plan.bank_label.endswith("gsm8k.json")
 

@@ -86,6 +86,9 @@ def test_a_bank_matches_actors_of_its_kind_of_device_concurrency_and_weights_wha
     assert cpu.matches(Actors(on_gpu=True)) == ["a CPU, not a GPU"]
     assert GPU.matches(Actors(on_gpu=True, concurrency=4, quantize="int8")) == [
         "1 concurrent requests, not 4", "none weights, not int8"]
+    # the dtype, once the actors know theirs: a bf16 bank's trees are too big where a CPU computes in fp32
+    assert cpu.matches(Actors(on_gpu=False, dtype="bfloat16")) == []
+    assert cpu.matches(Actors(on_gpu=False, dtype="float32")) == ["bfloat16, not float32"]
     # the cache key: a GPU's step-cost fields; a CPU's as keys always were (no backend, defaults left out)
     assert GPU.key() == {"device": GPU.device, "dtype": "bfloat16", "backend": GPU.backend, "concurrency": 1,
                          "quantize": "none"}
@@ -208,7 +211,7 @@ def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_an_
     from entmtp_ray.config import DecodingConfig, ModelConfig
     from entmtp_ray.pipeline.assemble import resolve
 
-    embedded = ModelConfig()
+    embedded = ModelConfig(dtype="bf16", device="cpu")  # the primary banks' hardware (fp32: the next test)
     assert DecodingConfig().policy == "auto"
     for task in ("gsm8k", "humaneval", "sharegpt"):  # each task's own bank
         resolved = resolve(embedded, DecodingConfig(task=task))
@@ -231,6 +234,36 @@ def test_the_default_policy_is_entmtp_with_the_task_bank_the_general_bank_or_an_
     assert general.source == f"{embedded.model}'s general bank (no --task)"
     assert auto.source.startswith("calibrated on the job's prompts: no bank ships for") and \
         auto.source.endswith("; until calibrated, hydra")
+
+
+def test_the_default_reads_the_variant_of_a_shipped_bank_timed_in_the_actors_dtype():
+    """Each shipped bank comes in a bf16 CPU variant (the primary file) and an fp32 one (cpu-fp32/): a CPU without
+    native bf16 computes in fp32, where a tree step costs several times more, so its trees are smaller."""
+    from entmtp_ray.assets import shipped_bank, shipped_bank_variants
+    from entmtp_ray.calibrate.bank import Actors, bank_hardware, default_bank_path
+    from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.pipeline.assemble import actors_here, resolve
+
+    model = "smollm2-135m-instruct"
+    for task in ("general", "gsm8k", "humaneval", "sharegpt"):
+        primary, *variants = shipped_bank_variants(model, task)
+        assert primary == shipped_bank(model, task) and [v.parent.name for v in variants] == ["cpu-fp32"]
+        assert bank_hardware(primary).dtype == "bfloat16" and bank_hardware(variants[0]).dtype == "float32"
+        assert default_bank_path(model, task, Actors(on_gpu=False, dtype="bfloat16")) == primary
+        assert default_bank_path(model, task, Actors(on_gpu=False, dtype="float32")) == variants[0]
+        assert default_bank_path(model, task, Actors(on_gpu=True, dtype="float16")) == primary  # none suits: then
+        assert default_bank_path(model, task) == primary  # nothing known of the actors
+        fp32 = ModelConfig(dtype="fp32", device="cpu")
+        assert actors_here(fp32) == Actors(on_gpu=False, dtype="float32")
+        plan = resolve(fp32, DecodingConfig(task=None if task == "general" else task))
+        assert plan.bank_path == variants[0] and plan.bank.hardware.dtype == "float32" and not plan.calibrate
+        assert "its cpu-fp32 variant" in plan.source
+        # the actors' dtype, not this process's, once they are known
+        placed = resolve(fp32, DecodingConfig(task=None if task == "general" else task),
+                         Actors(on_gpu=False, dtype="bfloat16"))
+        assert placed.bank_path == primary and not placed.calibrate
+        if task != "general":  # an entmtp policy by name reads the variant too
+            assert resolve(fp32, DecodingConfig(policy="entmtp-tau", task=task)).bank_path == variants[0]
 
 
 @pytest.mark.slow

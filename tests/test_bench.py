@@ -76,6 +76,15 @@ def test_bench_config_errors_fail_before_any_work(tmp_path, capsys):
     assert rc == 2 and "--also-bank general: write NAME=FILE" in capsys.readouterr().err
 
 
+def shipped_here(task: str) -> str:
+    """The bank shipped for the embedded model and `task` in its variant for this host (bf16 or fp32 CPUs)."""
+    from entmtp_ray.calibrate.bank import default_bank_path
+    from entmtp_ray.config import ModelConfig
+    from entmtp_ray.pipeline.assemble import actors_here
+
+    return str(default_bank_path("smollm2-135m-instruct", task, actors_here(ModelConfig())))
+
+
 def test_another_bank_runs_as_one_more_system_in_the_same_run(tmp_path, capsys):
     """--also-bank: two banks side by side in one interleaved run (an auto bank against the shipped one)."""
     general = shipped_bank("smollm2-135m-instruct", "general")
@@ -87,7 +96,7 @@ def test_another_bank_runs_as_one_more_system_in_the_same_run(tmp_path, capsys):
     rows = {r["policy"]: r for r in pq.read_table(tmp_path / "out" / "rows").to_pylist()}
     assert set(rows) == {"ar", "entmtp-tau", "entmtp-tau@general"}
     assert rows["entmtp-tau@general"]["bank"] == str(general)
-    assert rows["entmtp-tau"]["bank"] == str(shipped_bank("smollm2-135m-instruct", "gsm8k"))
+    assert rows["entmtp-tau"]["bank"] == shipped_here("gsm8k")
     assert rows["entmtp-tau@general"]["matches_ar"] in ("equal", "tie")
     assert all(name.startswith("general-") for name, _ in rows["entmtp-tau@general"]["tree_usage"])
 
@@ -247,8 +256,7 @@ def test_the_bench_resolves_the_entmtp_bank_as_a_job_does(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert rc == 0, stdout[-3000:]
     rows = {r["policy"]: r for r in pq.read_table(out / "rows").to_pylist()}
-    general = str(shipped_bank("smollm2-135m-instruct", "general"))
-    assert rows["entmtp-tau"]["bank"] == general and rows["ar"]["bank"] is None
+    assert rows["entmtp-tau"]["bank"] == shipped_here("general") and rows["ar"]["bank"] is None
     assert rows["entmtp-tau"]["matches_ar"] in ("equal", "tie")
     rc = bench_job.main(["--dataset", str(chat), "--bank", "auto", "--systems", "ar", "entmtp-tau",
                          "--output", str(tmp_path / "auto")])

@@ -163,3 +163,20 @@ def test_the_named_tasks_stream_through_the_same_plane(ray_local):
     every = load_prompts("sharegpt", None).column("id").to_pylist()
     lowest = sorted(every[i] for i in sample_keys(every, 3).argsort()[:5])
     assert sorted(r["id"] for r in sample(read_prompts(prompt_spec("sharegpt", None)), 5, 3).take_all()) == lowest
+
+
+def test_the_actors_dtype_is_asked_of_a_worker_once_when_cpu_actors_pick_it(ray_local):
+    """--dtype auto on CPU actors: bf16 where their host has native bf16, else fp32; a Ray task with an actor's
+    CPUs asks (this host is the worker here), once per job, and a --dtype given needs no task."""
+    from entmtp_ray.config import ModelConfig, ProcessorConfig
+    from entmtp_ray.pipeline.assemble import actors_here
+    from entmtp_ray.pipeline.placement import ActorPlacement
+    from entmtp_ray.pipeline.processor import Processor
+
+    cpu = ActorPlacement(gpus=0.0, device="cpu", auto=True)
+    processor = Processor(ProcessorConfig())
+    assert processor.actors(cpu).dtype == actors_here(ModelConfig(device="cpu")).dtype
+    assert processor._dtype == processor.actors(cpu).dtype  # kept for the job's later resolves
+    assert Processor(ProcessorConfig(model=ModelConfig(dtype="bf16"))).actors(cpu).dtype == "bfloat16"
+    assert Processor(ProcessorConfig(model=ModelConfig(dtype="auto"))).actors(
+        ActorPlacement(gpus=1.0, device="cuda", auto=True)).dtype == "float16"  # what auto picks on any GPU

@@ -152,23 +152,25 @@ def test_trees_with_oracle_drafts_are_greedy(loaded, ar_outputs, tree, prompts, 
 
 @pytest.mark.parametrize("task", ["gsm8k", "humaneval", "sharegpt"])
 def test_entmtp_policies_with_shipped_banks_are_greedy(loaded, task):
-    """entmtp-star, -ladder and -tau with the bank shipped for each task (its default signal, then
-    every other signal it tunes), each on another prompt: the shipped banks load, resolve their
-    trees against the shipped heads, and decode plain greedy's tokens. (Switching mid-generation
+    """entmtp-star, -ladder and -tau with each bank shipped for each task, in every variant (its default
+    signal, then every other signal it tunes), each on another prompt: the shipped banks load, resolve
+    their trees against the shipped heads, and decode plain greedy's tokens. (Switching mid-generation
     is checked against greedy in test_decode_oracle.py with policies made to switch.)"""
-    from entmtp_ray.calibrate.bank import default_bank_path, load_bank
+    from entmtp_ray.assets import shipped_bank_variants
+    from entmtp_ray.calibrate.bank import load_bank
     from entmtp_ray.pipeline.assemble import policy_for
 
-    bank = load_bank(default_bank_path(loaded.name, task), max_depth=4)
     drafter = HydraDrafter(load_model_heads(loaded, None), loaded.model, draft_vocab_for(loaded.name, None, None))
-    others = [s for s in sorted(bank.policy.signals) if s != bank.policy.signal]
-    runs = [("entmtp-star", None), ("entmtp-ladder", None), ("entmtp-tau", None)]
-    runs += [("entmtp-tau", signal) for signal in others]
-    for k, (policy_name, signal) in enumerate(runs):
-        cfg = DecodingConfig(policy=policy_name, task=task, signal=signal, max_new_tokens=MAX_NEW)
-        ids = loaded.encode_prompt(PROMPTS[k % len(PROMPTS)])
-        result = SpecDecoder(loaded, drafter, policy_for(cfg, bank)).generate(ids, cfg)
-        assert_greedy(loaded, ids, result.output_token_ids, f"{task} {policy_name} {signal} prompt {k}")
+    for path in shipped_bank_variants(loaded.name, task):
+        bank = load_bank(path, max_depth=4)
+        others = [s for s in sorted(bank.policy.signals) if s != bank.policy.signal]
+        runs = [("entmtp-star", None), ("entmtp-ladder", None), ("entmtp-tau", None)]
+        runs += [("entmtp-tau", signal) for signal in others]
+        for k, (policy_name, signal) in enumerate(runs):
+            cfg = DecodingConfig(policy=policy_name, task=task, signal=signal, max_new_tokens=MAX_NEW)
+            ids = loaded.encode_prompt(PROMPTS[k % len(PROMPTS)])
+            result = SpecDecoder(loaded, drafter, policy_for(cfg, bank)).generate(ids, cfg)
+            assert_greedy(loaded, ids, result.output_token_ids, f"{path} {policy_name} {signal} prompt {k}")
 
 
 @pytest.fixture(scope="module")

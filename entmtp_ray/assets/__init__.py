@@ -20,3 +20,12 @@ def shipped_heads(model_name: str) -> Path:
 def shipped_bank(model_name: str, task: str) -> Path:
     """Where the topology bank for (model, task) ships: assets/banks/<model>/<task>.json."""
     return asset("banks", Path(model_name).name, f"{task}.json")
+
+
+def shipped_bank_variants(model_name: str, task: str) -> list[Path]:
+    """Every bank shipped for (model, task): <task>.json first, then the same task timed on other kinds of hardware,
+    assets/banks/<model>/<variant>/<task>.json, in the variants' order by name."""
+    primary = shipped_bank(model_name, task)
+    variants = sorted(p / f"{task}.json" for p in primary.parent.iterdir() if p.is_dir()) if primary.parent.is_dir() \
+        else []
+    return [p for p in [primary, *variants] if p.is_file()]

@@ -6,6 +6,7 @@ may merely be slow (another model or machine) is a warning. Format: docs/design.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field, model_validator
 
-from entmtp_ray.assets import shipped_bank
+from entmtp_ray.assets import shipped_bank, shipped_bank_variants
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.policy import SIGNALS, FixedTree, HysteresisPolicy, LadderPolicy, Policy, make_signal
 from entmtp_ray.decode.tree import Topology, make_topology
@@ -45,6 +46,7 @@ class Actors:
     on_gpu: bool
     concurrency: int = 1
     quantize: str = "none"
+    dtype: str | None = None  # what they compute in ('float32', 'bfloat16', ...), once known (--dtype auto: per host)
 
 
 class Hardware(BaseModel):
@@ -79,8 +81,10 @@ class Hardware(BaseModel):
 
     def matches(self, actors: Actors) -> list[str]:
         """How `actors` differ from this hardware in what sizes a bank's trees by a large factor (empty: a bank
-        timed here serves them): the kind of device, the requests per forward, the weights. The rest of step_cost
-        (the GPU's name, the CPU threads, the dtype) is known only on an actor, and only warns (same_as)."""
+        timed here serves them): the kind of device, the requests per forward, the weights, and the dtype where
+        `actors` know it (on a CPU without native bf16 a tree step costs several times what it does with it, so a
+        bank's trees are far too big there). The rest of step_cost (the GPU's name, the CPU threads) only warns
+        (same_as)."""
         differences = []
         if self.on_gpu != actors.on_gpu:
             differences.append(f"{'a GPU' if self.on_gpu else 'a CPU'}, not {'a GPU' if actors.on_gpu else 'a CPU'}")
@@ -88,6 +92,8 @@ class Hardware(BaseModel):
             differences.append(f"{self.concurrency} concurrent requests, not {actors.concurrency}")
         if self.quantize != actors.quantize:
             differences.append(f"{self.quantize} weights, not {actors.quantize}")
+        if actors.dtype is not None and self.dtype != actors.dtype:
+            differences.append(f"{self.dtype}, not {actors.dtype}")
         return differences
 
     def key(self) -> dict:
@@ -220,18 +226,30 @@ def selection_report(bank: Bank) -> str:
     return "\n".join([*lines, selection.reason])
 
 
-def default_bank_path(model_name: str, task: str) -> Path:
-    """Where the bank for a model and task ships: assets/banks/<model>/<task>.json."""
-    return shipped_bank(model_name, task)
+def bank_hardware(path: str | Path) -> Hardware:
+    """The hardware a bank file was timed on, read without checking its trees."""
+    return Hardware.model_validate(json.loads(Path(path).read_text())["hardware"])
 
 
-def resolve_bank_path(model_name: str, task: str | None, bank: str | None) -> Path:
+def default_bank_path(model_name: str, task: str, actors: Actors | None = None) -> Path:
+    """The bank shipped for a model and task: assets/banks/<model>/<task>.json, or, for `actors` it was not timed on
+    the kind of (Hardware.matches), the first variant of it that was (assets/banks/<model>/<variant>/<task>.json:
+    for example fp32 CPUs). A path that may not exist when none ships."""
+    shipped = shipped_bank_variants(model_name, task)
+    if actors is not None:
+        suited = next((p for p in shipped if not bank_hardware(p).matches(actors)), None)
+        if suited is not None:
+            return suited
+    return shipped[0] if shipped else shipped_bank(model_name, task)
+
+
+def resolve_bank_path(model_name: str, task: str | None, bank: str | None, actors: Actors | None = None) -> Path:
     if bank:
         return Path(bank)
     if not task:
         raise ValueError("the entmtp policies read a topology bank: pass --task NAME (uses "
                          "banks/<model>/<task>.json) or --bank FILE")
-    return default_bank_path(model_name, task)
+    return default_bank_path(model_name, task, actors)
 
 
 def current_hardware(device: torch.device | str, dtype: torch.dtype | str, concurrency: int = 1,

@@ -42,7 +42,7 @@ from entmtp_ray.calibrate.bank import (current_hardware, load_bank, resolve_bank
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL, DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.loading import available_depth, draft_vocab_for
-from entmtp_ray.pipeline.assemble import AUTO_BANK, BANK_POLICIES, load_stack, policy_for, resolve_policy
+from entmtp_ray.pipeline.assemble import AUTO_BANK, BANK_POLICIES, actors_here, load_stack, policy_for, resolve_policy
 from entmtp_ray.pipeline.engine import encode_checked
 from entmtp_ray.pipeline.tasks import load_prompts
 
@@ -82,10 +82,11 @@ def bench_bank(model_cfg: ModelConfig, task: str | None, bank: str | None) -> Pa
                          "jobs/generate.py --bank auto, then bench the bank it wrote with --bank "
                          "<output>/_banks/<key>/bank.json (or compare it beside the default with "
                          "--also-bank auto=FILE)")
-    resolved, _ = resolve_policy(model_cfg, DecodingConfig(task=task, bank=bank))
+    here = actors_here(model_cfg)  # the bench decodes in this process
+    resolved, _ = resolve_policy(model_cfg, DecodingConfig(task=task, bank=bank), here)
     if resolved.bank == AUTO_BANK:
         return None
-    return resolve_bank_path(model_cfg.model, task, resolved.bank)
+    return resolve_bank_path(model_cfg.model, task, resolved.bank, here)
 
 
 def no_bank_error(model: str) -> ValueError:

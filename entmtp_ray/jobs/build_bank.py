@@ -68,7 +68,7 @@ def calibration_source(tasks: list[str], dataset: str | None) -> str:
 
 def seen_prompts(model_cfg: ModelConfig, path: str | None) -> tuple[dict[str, set[str]], str]:
     """The prompt ids a bank for these heads leaves out of its calibration, so its replayed and measured acceptance
-    is what prompts the heads never saw get: `path` ('none': none), else the heads' own SEEN_PROMPTS_FILE file (the
+    is what prompts the heads never saw get: `path` ('none': none), else the heads' own SEEN_PROMPTS_FILE (the
     shipped heads', or a local heads folder's). Returns them by task, and what they are for the bank's record."""
     if path == "none":
         return {}, ""

@@ -11,9 +11,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from entmtp_ray.assets import shipped_bank
-from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, bank_policy, current_hardware, load_bank,
-                                       resolve_bank_path, warn_if_other_hardware)
+import torch
+
+from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, bank_policy, current_hardware, default_bank_path,
+                                       load_bank, resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.drafting import HydraDrafter
 from entmtp_ray.decode.loop import SpecDecoder
@@ -21,7 +22,7 @@ from entmtp_ray.decode.policy import POLICIES, Policy, make_policy
 from entmtp_ray.decode.static import static_capacity
 from entmtp_ray.decode.tree import make_topology
 from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, check_quantization,
-                                      draft_vocab_for, heads_source, load_model, load_model_heads)
+                                      draft_vocab_for, heads_source, load_model, load_model_heads, pick_dtype)
 
 log = logging.getLogger(__name__)
 
@@ -61,31 +62,43 @@ def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
     return make_policy(decoding)
 
 
-def resolve_policy(model_cfg: ModelConfig, decoding: DecodingConfig) -> tuple[DecodingConfig, str]:
+def actors_here(model_cfg: ModelConfig, concurrency: int = 1) -> Actors:
+    """This process as the actor that decodes (an engine, the bench): its kind of device and the dtype --dtype
+    gives here. Never raises: a --device this host lacks is checked where the model loads."""
+    on_gpu = model_cfg.device.startswith("cuda") or (model_cfg.device == "auto" and torch.cuda.is_available())
+    dtype = pick_dtype(model_cfg.dtype, torch.device("cuda" if on_gpu else "cpu"), model_cfg.quantize)
+    return Actors(on_gpu, concurrency, model_cfg.quantize, str(dtype).replace("torch.", ""))
+
+
+def resolve_policy(model_cfg: ModelConfig, decoding: DecodingConfig,
+                   actors: Actors | None = None) -> tuple[DecodingConfig, str]:
     """`--policy auto` (the default) made concrete, and where its bank comes from: entmtp-tau with --bank, else with
-    the bank shipped for the model and --task, else (no task) with the model's general bank, else with a bank the
-    job calibrates (`--bank auto`). Other policies come back unchanged."""
+    the bank shipped for the model and --task (no task: the model's general bank), in its variant timed on the
+    actors' kind of hardware where one ships (default_bank_path; `actors`: this process when not given), else with
+    a bank the job calibrates (`--bank auto`). Other policies come back unchanged."""
     if decoding.policy != AUTO:
         return decoding, f"--policy {decoding.policy}"
     if decoding.bank:
         return decoding.model_copy(update={"policy": "entmtp-tau"}), (
             "--bank auto: calibrated on the job's prompts" if decoding.bank == AUTO_BANK else f"--bank {decoding.bank}")
     task = decoding.task or GENERAL_BANK_TASK
-    bank = shipped_bank(model_cfg.model, task)
+    bank = default_bank_path(model_cfg.model, task, actors or actors_here(model_cfg))
     if bank.is_file():
-        update = {"policy": "entmtp-tau"} if decoding.task else {"policy": "entmtp-tau", "bank": str(bank)}
-        source = f"the bank shipped for {model_cfg.model} and --task {task}" if decoding.task else \
-            f"{model_cfg.model}'s general bank (no --task)"
+        update = {"policy": "entmtp-tau"} if decoding.task and bank == default_bank_path(model_cfg.model, task) \
+            else {"policy": "entmtp-tau", "bank": str(bank)}
+        variant = "" if bank.parent.name == Path(model_cfg.model).name else f" (its {bank.parent.name} variant)"
+        source = f"the bank shipped for {model_cfg.model} and --task {task}{variant}" if decoding.task else \
+            f"{model_cfg.model}'s general bank{variant} (no --task)"
         return decoding.model_copy(update=update), source
     return decoding.model_copy(update={"policy": "entmtp-tau", "bank": AUTO_BANK}), (
         f"calibrated on the job's prompts: no bank ships for {model_cfg.model} and {task}")
 
 
-def fallback_decoding(model_cfg: ModelConfig, decoding: DecodingConfig) -> DecodingConfig:
+def fallback_decoding(model_cfg: ModelConfig, decoding: DecodingConfig, actors: Actors | None = None) -> DecodingConfig:
     """What an auto bank's policy runs with while there is no calibrated bank (a process that does not calibrate,
-    or a calibration that failed): the bank shipped for the model and --task (no task: its general bank), else
-    Hydra's tree."""
-    shipped = shipped_bank(model_cfg.model, decoding.task or GENERAL_BANK_TASK)
+    or a calibration that failed): the bank shipped for the model and --task (no task: its general bank), in the
+    variant that suits `actors` where one ships, else Hydra's tree."""
+    shipped = default_bank_path(model_cfg.model, decoding.task or GENERAL_BANK_TASK, actors)
     if shipped.is_file():
         policy = decoding.policy if decoding.policy in BANK_POLICIES else "entmtp-tau"
         return decoding.model_copy(update={"policy": policy, "bank": str(shipped)})
@@ -108,38 +121,40 @@ def resolve(model_cfg: ModelConfig, decoding: DecodingConfig, actors: Actors | N
     model, so every check that needs no model runs here and a broken config fails before any weight loads.
 
     The rules, in order: `--policy auto` is entmtp-tau with --bank, else the bank shipped for the model and --task
-    (no task: its general bank), else a bank the job calibrates (`--bank auto`); a shipped bank chosen by default
-    whose hardware does not match the actors (`Hardware.matches`: another kind of device, concurrency or weights) is
-    replaced by a calibrated one (`actors`: None before the actors are placed, and in an engine, which runs what it
-    is given); until a calibrated bank is in hand (`bank`, from `bank_label`), an auto bank runs its fallback (the
-    shipped bank, else Hydra's tree).
+    (no task: its general bank), in the variant timed on the actors' kind of hardware where one ships (`actors`, else
+    this process: actors_here), else a bank the job calibrates (`--bank auto`); a shipped bank chosen by default
+    whose hardware does not match the actors (`Hardware.matches`: another kind of device, concurrency, weights or
+    dtype) is replaced by a calibrated one (`actors`: None before the actors are placed, and in an engine, which
+    runs what it is given); until a calibrated bank is in hand (`bank`, from `bank_label`), an auto bank runs its
+    fallback (the shipped bank, else Hydra's tree).
 
     Also checked: the model's source, its --quantize scheme (on the actors' device once known), the bank and tree
     files against the heads' depth, and --draft-vocab. Raises ValueError/FileNotFoundError naming the fix."""
     check_model_source(model_cfg.model)
     device = model_cfg.device if actors is None else ("cuda" if actors.on_gpu else "cpu")
     check_quantization(model_cfg.model, model_cfg.quantize, device, model_cfg.dtype)
-    requested, source = resolve_policy(model_cfg, decoding)
+    facts = actors or actors_here(model_cfg)  # which shipped variant of a bank suits them
+    requested, source = resolve_policy(model_cfg, decoding, facts)
     if requested.bank == AUTO_BANK and requested.policy not in BANK_POLICIES:
         raise ValueError(f"--bank auto calibrates a bank for the entmtp policies; --policy {requested.policy} reads "
                          "none: drop --bank or pick an entmtp policy")
     by_default = decoding.policy == AUTO and not decoding.bank
     if by_default and actors is not None and requested.bank != AUTO_BANK:  # a calibrated bank in hand too
-        shipped = load_bank(resolve_bank_path(model_cfg.model, requested.task, requested.bank))
+        shipped = load_bank(resolve_bank_path(model_cfg.model, requested.task, requested.bank, facts))
         differences = shipped.hardware.matches(actors)
         if differences:
             requested = requested.model_copy(update={"bank": AUTO_BANK})
             source = (f"calibrated for the actors: {source} was timed on {shipped.hardware.describe()} "
                       f"({'; '.join(differences)}); pass --bank to keep it")
     calibrate = requested.bank == AUTO_BANK and bank is None
-    running = fallback_decoding(model_cfg, requested) if calibrate else requested
+    running = fallback_decoding(model_cfg, requested, facts) if calibrate else requested
     if bank is not None:
         source = f"calibrated on the job's prompts ({bank_label})"
     bank_path = depth = None
     if running.policy in BANK_POLICIES:
         depth = available_depth(model_cfg.model, model_cfg.heads)
         if bank is None:
-            bank_path = resolve_bank_path(model_cfg.model, running.task, running.bank)
+            bank_path = resolve_bank_path(model_cfg.model, running.task, running.bank, facts)
             bank = load_bank(bank_path, depth, Path(model_cfg.model).name)
             bank_label = str(bank_path)
         else:

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import ray
+import torch
 from ray.data import ActorPoolStrategy, DataContext
 
 from entmtp_ray.calibrate.bank import Actors, Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig, ProcessorConfig
-from entmtp_ray.model.loading import cuda_problem
+from entmtp_ray.model.loading import cuda_problem, pick_dtype
 from entmtp_ray.pipeline.assemble import fallback_warning, resolve
 from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
                                           data_identity, find_cached, key_name, probe_hardware, store)
@@ -132,6 +133,7 @@ class Processor:
         self.spec = PromptSpec("dataset", None, config.decoding.task, config.prompt_column, config.id_column,
                                config.messages_column)
         self.placement: ActorPlacement | None = None  # decided once Ray is up (dataplane.connect, or generate)
+        self._dtype: str | None = None  # the actors' (actors_dtype)
 
     def place(self) -> ActorPlacement:
         """The actors' GPUs and device on the connected Ray cluster (placement.place_actors), decided once, and the
@@ -152,8 +154,23 @@ class Processor:
     def actors(self, placement: ActorPlacement | None = None) -> Actors:
         """What the resolver knows of the actors (of `placement`, else of this processor's)."""
         placement = placement or self.placement
-        return Actors(on_gpu=placement.device.startswith("cuda"), concurrency=self.config.pool.concurrent_requests,
-                      quantize=self.config.model.quantize)
+        on_gpu = placement.device.startswith("cuda")
+        return Actors(on_gpu=on_gpu, concurrency=self.config.pool.concurrent_requests,
+                      quantize=self.config.model.quantize, dtype=self.actors_dtype(on_gpu))
+
+    def actors_dtype(self, on_gpu: bool) -> str:
+        """What the actors compute in: --dtype, or for auto what it picks on their device; on a CPU that depends on
+        the host (native bf16 or not), so a Ray task with an actor's CPUs asks one (once per job)."""
+        model, pool = self.config.model, self.config.pool
+        if self._dtype is None:
+            if on_gpu or model.dtype != "auto":
+                dtype = pick_dtype(model.dtype, torch.device("cuda" if on_gpu else "cpu"), model.quantize)
+                self._dtype = str(dtype).replace("torch.", "")
+            else:
+                probe = ray.remote(probe_hardware).options(num_cpus=pool.cpus_per_actor)
+                self._dtype = ray.get(probe.remote(model.model_dump() | {"device": "cpu"}, int(pool.cpus_per_actor),
+                                                   pool.concurrent_requests)).dtype
+        return self._dtype
 
     def __call__(self, dataset: "ray.data.Dataset") -> "ray.data.Dataset":
         """`dataset` rows with a prompt (or messages) column -> rows with the output columns added (the
