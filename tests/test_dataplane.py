@@ -175,8 +175,12 @@ def test_the_actors_dtype_is_asked_of_a_worker_once_when_cpu_actors_pick_it(ray_
 
     cpu = ActorPlacement(gpus=0.0, device="cpu", auto=True)
     processor = Processor(ProcessorConfig())
-    assert processor.actors(cpu).dtype == actors_here(ModelConfig(device="cpu")).dtype
-    assert processor._dtype == processor.actors(cpu).dtype  # kept for the job's later resolves
+    processor.placement = cpu
+    assert processor.actors(cpu).dtype is None  # not known before it is asked (placing must not wait for a node)
+    processor.ask_actors()
+    here = actors_here(ModelConfig(device="cpu")).dtype
+    assert processor.actors(cpu).dtype == here and processor._dtype == here  # kept for the job's later resolves
+    assert processor.plan.bank.hardware.dtype == here  # resolved again: the default bank's variant for that dtype
     assert Processor(ProcessorConfig(model=ModelConfig(dtype="bf16"))).actors(cpu).dtype == "bfloat16"
     assert Processor(ProcessorConfig(model=ModelConfig(dtype="auto"))).actors(
         ActorPlacement(gpus=1.0, device="cuda", auto=True)).dtype == "float16"  # what auto picks on any GPU

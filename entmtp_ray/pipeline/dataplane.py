@@ -37,7 +37,7 @@ from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.outputs import finished_keys, summarize
 from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_mounts, spans_nodes
 from entmtp_ray.pipeline.autobank import data_identity
-from entmtp_ray.pipeline.processor import Processor, calibration_problem, calibration_rows
+from entmtp_ray.pipeline.processor import PROBE_PATIENCE_S, Processor, calibration_problem, calibration_rows
 from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, output_keys
 from entmtp_ray.pipeline.sources import (ColumnScan, Location, Source, file_format, file_label, read_file,
                                          scan_file)
@@ -212,8 +212,6 @@ def _gpu_probe() -> tuple[str, list, str | None]:
     return ray.util.get_node_ip_address(), ray.get_gpu_ids(), cuda_problem()
 
 
-PROBE_PATIENCE_S = 60
-
 
 def _check_gpu_where_actors_run(gpus: float) -> None:
     """Fail, before any row, when a task that reserves an actor's GPUs finds no CUDA there (the actors would
@@ -229,8 +227,9 @@ def _check_gpu_where_actors_run(gpus: float) -> None:
 
 def connect(job: JobConfig, processor: Processor, location: Location | None = None) -> ActorPlacement:
     """Join job.address (or RAY_ADDRESS), else start a local Ray; decide the actors' GPUs and device (once per
-    processor) and check that `location` is seen by every node that writes to it and, last (it may wait for
-    the autoscaler), that torch can use a GPU where the actors will run. ValueError names the fix (the job
+    processor) and check that `location` is seen by every node that writes to it and, last (they may wait for
+    the autoscaler), that torch can use a GPU where the actors will run and, with --dtype auto on CPU actors, which
+    dtype they compute in (Processor.ask_actors, which resolves the plan again). ValueError names the fix (the job
     exits 2)."""
     fresh = processor.placement is None or not ray.is_initialized()
     placement, started_here = _place(job, processor) if fresh else (processor.placement, False)
@@ -246,6 +245,7 @@ def connect(job: JobConfig, processor: Processor, location: Location | None = No
     if fresh and placement.device == "cuda" and not started_here:  # a local Ray's GPUs are the driver's, checked
         _check_gpu_where_actors_run(placement.gpus)
     processor.placement = placement
+    processor.ask_actors()  # last too: it may wait for a node
     return placement
 
 

@@ -40,6 +40,8 @@ from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS, PromptSpec, standardize
 
 log = logging.getLogger(__name__)
 
+PROBE_PATIENCE_S = 60  # between warnings while a probe task waits for a node (the autoscaler may be adding one)
+
 ROW_COLUMNS = (*INTERNAL_COLUMNS, SAMPLE_INDEX, SAMPLING)  # what the actor reads of a row; not passed through
 
 # Fault injection for the exactly-once tests: the actor that meets this row id (or sample key) fails, once (the
@@ -158,19 +160,32 @@ class Processor:
         return Actors(on_gpu=on_gpu, concurrency=self.config.pool.concurrent_requests,
                       quantize=self.config.model.quantize, dtype=self.actors_dtype(on_gpu))
 
-    def actors_dtype(self, on_gpu: bool) -> str:
-        """What the actors compute in: --dtype, or for auto what it picks on their device; on a CPU that depends on
-        the host (native bf16 or not), so a Ray task with an actor's CPUs asks one (once per job)."""
-        model, pool = self.config.model, self.config.pool
-        if self._dtype is None:
-            if on_gpu or model.dtype != "auto":
-                dtype = pick_dtype(model.dtype, torch.device("cuda" if on_gpu else "cpu"), model.quantize)
-                self._dtype = str(dtype).replace("torch.", "")
-            else:
-                probe = ray.remote(probe_hardware).options(num_cpus=pool.cpus_per_actor)
-                self._dtype = ray.get(probe.remote(model.model_dump() | {"device": "cpu"}, int(pool.cpus_per_actor),
-                                                   pool.concurrent_requests)).dtype
+    def actors_dtype(self, on_gpu: bool) -> str | None:
+        """What the actors compute in: --dtype, or for auto what it picks on their device. On a CPU that depends on
+        the host (native bf16 or not): None until ask_actors has asked one."""
+        model = self.config.model
+        if self._dtype is None and (on_gpu or model.dtype != "auto"):
+            return str(pick_dtype(model.dtype, torch.device("cuda" if on_gpu else "cpu"), model.quantize)).replace(
+                "torch.", "")
         return self._dtype
+
+    def ask_actors(self) -> None:
+        """With --dtype auto on CPU actors, ask a Ray task with an actor's CPUs which dtype it picks there (once per
+        job; on an autoscaling cluster it waits for a node, so the job's checks run first), and resolve the plan
+        again with it: the default bank's variant for that dtype, or a calibrated bank when none ships."""
+        placement, model, pool = self.place(), self.config.model, self.config.pool
+        if self._dtype is not None or placement.device.startswith("cuda") or model.dtype != "auto":
+            return
+        probe = ray.remote(probe_hardware).options(num_cpus=pool.cpus_per_actor).remote(
+            model.model_dump() | {"device": "cpu"}, int(pool.cpus_per_actor), pool.concurrent_requests)
+        while not ray.wait([probe], timeout=PROBE_PATIENCE_S)[0]:
+            log.warning("waiting for a node with %g free CPUs to ask which dtype --dtype auto picks there (the "
+                        "autoscaler may be starting one)", pool.cpus_per_actor)
+        self._dtype = ray.get(probe).dtype
+        if self.bank_json is None:  # a calibrated bank stays
+            before, self.plan = self.plan, resolve(model, self.config.decoding, self.actors(placement))
+            if self.plan.calibrate and not before.calibrate:
+                log.warning("the default bank does not suit the actors: %s", self.plan.source)
 
     def __call__(self, dataset: "ray.data.Dataset") -> "ray.data.Dataset":
         """`dataset` rows with a prompt (or messages) column -> rows with the output columns added (the
@@ -185,6 +200,7 @@ class Processor:
         not yet calibrated, this calibrates it first, on the first rows (`calibrate`)."""
         samples = self.expand(prompts)
         self.place()  # resolves the plan for the placed actors: it may calibrate a bank
+        self.ask_actors()  # and their dtype, where --dtype auto leaves it to their host
         if self.plan.calibrate:
             self.calibrate(samples)
         return self.decode(samples)
