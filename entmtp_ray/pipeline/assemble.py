@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from entmtp_ray.assets import shipped_bank
 from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, bank_policy, current_hardware, default_bank_path,
                                        load_bank, resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
@@ -62,10 +63,11 @@ def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
     return make_policy(decoding)
 
 
-def actors_here(model_cfg: ModelConfig, concurrency: int = 1) -> Actors:
-    """This process as the actor that decodes (an engine, the bench): its kind of device and the dtype --dtype
-    gives here. Never raises: a --device this host lacks is checked where the model loads."""
-    on_gpu = model_cfg.device.startswith("cuda") or (model_cfg.device == "auto" and torch.cuda.is_available())
+def actors_here(model_cfg: ModelConfig, concurrency: int = 1, on_gpu: bool | None = None) -> Actors:
+    """This process as the actor that decodes (an engine, the bench): its kind of device (or `on_gpu`) and the dtype
+    --dtype gives here. Never raises: a --device this host lacks is checked where the model loads."""
+    if on_gpu is None:
+        on_gpu = model_cfg.device.startswith("cuda") or (model_cfg.device == "auto" and torch.cuda.is_available())
     dtype = pick_dtype(model_cfg.dtype, torch.device("cuda" if on_gpu else "cpu"), model_cfg.quantize)
     return Actors(on_gpu, concurrency, model_cfg.quantize, str(dtype).replace("torch.", ""))
 
@@ -84,7 +86,7 @@ def resolve_policy(model_cfg: ModelConfig, decoding: DecodingConfig,
     task = decoding.task or GENERAL_BANK_TASK
     bank = default_bank_path(model_cfg.model, task, actors or actors_here(model_cfg))
     if bank.is_file():
-        update = {"policy": "entmtp-tau"} if decoding.task and bank == default_bank_path(model_cfg.model, task) \
+        update = {"policy": "entmtp-tau"} if decoding.task and bank == shipped_bank(model_cfg.model, task) \
             else {"policy": "entmtp-tau", "bank": str(bank)}
         variant = "" if bank.parent.name == Path(model_cfg.model).name else f" (its {bank.parent.name} variant)"
         source = f"the bank shipped for {model_cfg.model} and --task {task}{variant}" if decoding.task else \

@@ -212,7 +212,6 @@ def _gpu_probe() -> tuple[str, list, str | None]:
     return ray.util.get_node_ip_address(), ray.get_gpu_ids(), cuda_problem()
 
 
-
 def _check_gpu_where_actors_run(gpus: float) -> None:
     """Fail, before any row, when a task that reserves an actor's GPUs finds no CUDA there (the actors would
     fail the same way, one by one). On an autoscaling cluster this waits for the first GPU node."""

@@ -23,13 +23,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import ray
-import torch
 from ray.data import ActorPoolStrategy, DataContext
 
 from entmtp_ray.calibrate.bank import Actors, Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig, ProcessorConfig
-from entmtp_ray.model.loading import cuda_problem, pick_dtype
-from entmtp_ray.pipeline.assemble import fallback_warning, resolve
+from entmtp_ray.model.loading import cuda_problem
+from entmtp_ray.pipeline.assemble import actors_here, fallback_warning, resolve
 from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
                                           data_identity, find_cached, key_name, probe_hardware, store)
 from entmtp_ray.pipeline.engine import EngineBroken, TorchThread
@@ -165,8 +164,7 @@ class Processor:
         the host (native bf16 or not): None until ask_actors has asked one."""
         model = self.config.model
         if self._dtype is None and (on_gpu or model.dtype != "auto"):
-            return str(pick_dtype(model.dtype, torch.device("cuda" if on_gpu else "cpu"), model.quantize)).replace(
-                "torch.", "")
+            return actors_here(model, on_gpu=on_gpu).dtype
         return self._dtype
 
     def ask_actors(self) -> None:

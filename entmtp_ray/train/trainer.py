@@ -136,9 +136,10 @@ def distilled_ids(directories: Iterable[str]) -> dict[str, set[str]]:
     ids: dict[str, set[str]] = {}
     for directory in directories:
         meta = Path(directory) / DISTILL_FILE
-        if meta.is_file() and json.loads(meta.read_text()).get("task"):
+        task = json.loads(meta.read_text()).get("task") if meta.is_file() else None
+        if task:
             found = pads.dataset(directory, format="parquet").to_table(columns=["id"]).column("id").to_pylist()
-            ids.setdefault(json.loads(meta.read_text())["task"], set()).update(map(str, found))
+            ids.setdefault(task, set()).update(map(str, found))
     return ids
 
 
