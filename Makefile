@@ -45,7 +45,7 @@ mutation: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m entmtp_ray flags --readme README.md
 
-# the wheels jobs/gpu_check.py installs on a GPU machine without the package index (Python 3.12, x86-64): what that
+# the wheels tools/gpu_check.py installs on a GPU machine without the package index (Python 3.12, x86-64): what that
 # machine lacks of ours, pydantic and its own needs, at the versions `make setup` installs here. Carry .whl/ there
 GPU_WHEELS := pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 \
 	typing_extensions==4.16.0

@@ -1,7 +1,7 @@
-"""`python -m entmtp_ray generate ...` and `python -m entmtp_ray eval-heads ...`: see cli.py."""
+"""`python -m entmtp_ray <command> ...`, the same as the console script `entmtp`: see commands.py."""
 
 import sys
 
-from entmtp_ray.cli import main
+from entmtp_ray.commands import main
 
 sys.exit(main())

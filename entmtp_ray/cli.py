@@ -1,5 +1,5 @@
 """Command-line flags shared by the entry points, and the one-machine CLI
-(`python -m entmtp_ray generate ...`, one JSON object per prompt on stdout)."""
+(`entmtp generate ...`, one JSON object per prompt on stdout)."""
 
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def quiet_logging() -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m entmtp_ray", description=__doc__)
+    parser = argparse.ArgumentParser(prog="entmtp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for one prompt or a JSONL file of prompts")
     src = gen.add_mutually_exclusive_group(required=True)

@@ -1,6 +1,6 @@
 """Side-by-side benchmark: AR, transformers generate and prompt lookup, Hydra, Medusa and the EntMTP policies.
 
-The same job as the console script `entmtp-bench` (entmtp_ray/jobs/bench.py); this file serves
+The same job as `entmtp bench` (entmtp_ray/jobs/bench.py); this file serves
 `ray job submit --working-dir . -- python jobs/bench.py` and checkouts without an install."""
 
 import sys

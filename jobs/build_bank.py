@@ -1,6 +1,6 @@
 """Build a topology bank for one (model, heads, task) on the hardware at hand.
 
-The same job as the console script `entmtp-build-bank` (entmtp_ray/jobs/build_bank.py); this file serves
+The same job as `entmtp build-bank` (entmtp_ray/jobs/build_bank.py); this file serves
 `ray job submit --working-dir . -- python jobs/build_bank.py` and checkouts without an install."""
 
 import sys

@@ -1,6 +1,6 @@
 """Self-distillation data for head training: the base model's own greedy replies to the `tune`
 
-The same job as the console script `entmtp-distill-data` (entmtp_ray/jobs/distill_data.py); this file serves
+The same job as `entmtp train-heads distill-data` (entmtp_ray/jobs/distill_data.py); this file serves
 `ray job submit --working-dir . -- python jobs/distill_data.py` and checkouts without an install."""
 
 import sys

@@ -1,6 +1,6 @@
 """Rank the tokens of the heads' training text by frequency and save the ranking beside the heads.
 
-The same job as the console script `entmtp-draft-vocab` (entmtp_ray/jobs/draft_vocab.py); this file serves
+The same job as `entmtp train-heads draft-vocab` (entmtp_ray/jobs/draft_vocab.py); this file serves
 `ray job submit --working-dir . -- python jobs/draft_vocab.py` and checkouts without an install."""
 
 import sys

@@ -1,6 +1,6 @@
 """Batch generation job: prompts -> Ray Data actor pool -> Parquet.
 
-The same job as the console script `entmtp-generate` (entmtp_ray/jobs/generate.py); this file serves
+The same job as `entmtp batch` (entmtp_ray/jobs/generate.py); this file serves
 `ray job submit --working-dir . -- python jobs/generate.py` and checkouts without an install."""
 
 import sys

@@ -1,6 +1,6 @@
 """Throughput report of one or more runs: Markdown, JSON and PNG plots.
 
-The same job as the console script `entmtp-report` (entmtp_ray/jobs/report.py); this file serves
+The same job as `entmtp report` (entmtp_ray/jobs/report.py); this file serves
 `ray job submit --working-dir . -- python jobs/report.py` and checkouts without an install."""
 
 import sys

@@ -1,6 +1,6 @@
 """Print a generation run's Parquet output as a short table, and how to read it yourself.
 
-The same job as the console script `entmtp-show` (entmtp_ray/jobs/show.py); this file serves
+The same job as `entmtp show` (entmtp_ray/jobs/show.py); this file serves
 `ray job submit --working-dir . -- python jobs/show.py` and checkouts without an install."""
 
 import sys

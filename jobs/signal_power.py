@@ -1,6 +1,6 @@
 """How well each scheduling signal predicts the next step's accepted length, on held-out prompts.
 
-The same job as the console script `entmtp-signal-power` (entmtp_ray/jobs/signal_power.py); this file serves
+The same job as `entmtp signal-power` (entmtp_ray/jobs/signal_power.py); this file serves
 `ray job submit --working-dir . -- python jobs/signal_power.py` and checkouts without an install."""
 
 import sys

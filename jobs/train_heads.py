@@ -1,6 +1,6 @@
 """Train Hydra++ heads for a base model (base frozen, soft cross-entropy against its own
 
-The same job as the console script `entmtp-train-heads` (entmtp_ray/jobs/train_heads.py); this file serves
+The same job as `entmtp train-heads` (entmtp_ray/jobs/train_heads.py); this file serves
 `ray job submit --working-dir . -- python jobs/train_heads.py` and checkouts without an install."""
 
 import sys

@@ -1,4 +1,5 @@
-"""Shared fixtures for the fast CPU tests: a tiny random Llama base model. The suite never reaches
+"""Fixtures every folder of the suite shares: the tiny random Llama (helpers/tiny.py), as a model, as a
+local model directory with heads, and with heads drafting for it. The suite never reaches
 the network: the hub and datasets libraries run offline (set before they are imported, and
 inherited by every job and Ray worker a test starts), so a test that needs the hub fails at once."""
 
@@ -7,30 +8,24 @@ from __future__ import annotations
 import os
 
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+# every Ray the suite starts or joins, in this process and the jobs it runs, without token auth: a ~/.ray/auth_token
+# left by any local ray.init() would otherwise turn it on for a `ray start` head and refuse clients without it
+os.environ["RAY_AUTH_MODE"] = "disabled"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from helpers import alone  # noqa: E402
+from helpers.tiny import make_tiny_llama, tiny_with_heads  # noqa: E402
 
-def make_tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    """A 2-layer Llama (H=32, 4 query heads, 2 kv heads, V=97) with weights large enough to matter.
+NEIGHBOURS = alone.install()  # reads of a folder beside the checkout fail from here on (helpers/alone.py)
 
-    transformers initialises with std 0.02, which makes every comparison trivially close; the
-    weights are re-drawn with std 0.2 and the norm gains around 1 so that errors would show.
-    """
-    torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=97, max_position_embeddings=128)
-    model = LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
-    return model.eval()
+
+def pytest_sessionfinish(session, exitstatus):
+    if alone.READ:  # a read that some code caught and survived still fails the run
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nread beside the checkout (helpers/alone.py): {sorted(set(alone.READ))[:10]}")
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +57,37 @@ def tiny_model_dirs(tmp_path_factory):
             p.add_(0.05 * torch.randn_like(p))
     save_heads(heads, heads_dir)
     return model_dir, heads_dir
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(loaded, drafter): a fresh tiny Llama in fp32 and 3 random one-layer Hydra heads drafting for it.
+    (A module that needs another `tiny` defines its own, which takes its place there.)"""
+    return tiny_with_heads()
+
+
+@pytest.fixture(scope="session")
+def _shared_ray_head():
+    """One Ray head per test process (per xdist worker), started once: `ray start --head` in its own directory,
+    stopped at the session's end, exactly its processes (helpers/raytools.py). Its workers, which the jobs of every
+    test reuse, inherit this process's environment; no worker is prestarted (they start as tasks ask)."""
+    from helpers import raytools
+
+    with raytools.ray_head("--num-cpus=8", "--include-dashboard=false", prefix="rs-",
+                           env={**os.environ, "RAY_prestart_worker_first_driver": "0"}) as head:
+        yield head
+        import ray
+
+        ray.shutdown()  # leave it before it stops
+
+
+@pytest.fixture
+def ray_cluster(_shared_ray_head):
+    """This process joined to the session's shared Ray (joined again if a test before left it): a job run here
+    (helpers.jobs.run_here) uses it and leaves it joined. A test that needs a cluster of its own (node loss, a
+    killed driver, autoscaling) starts one instead, after `ray.shutdown()`."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=_shared_ray_head.address, log_to_driver=True)
+    yield _shared_ray_head

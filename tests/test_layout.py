@@ -13,7 +13,8 @@ _spec = importlib.util.spec_from_file_location("import_graph_tool", ROOT / "tool
 imports = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(imports)
 
-LAYERS = ["config", "assets", "model", "decode", "calibrate", "pipeline", "train", "bench", "cli", "jobs", "__main__"]
+LAYERS = ["config", "assets", "model", "decode", "calibrate", "pipeline", "train", "bench", "cli", "jobs", "commands",
+          "__main__"]
 
 
 def layer(module: str) -> int:
@@ -52,3 +53,25 @@ def test_config_is_a_leaf_that_loads_no_framework_and_only_the_ray_stages_import
     users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "entmtp_ray").rglob("*.py")
                    if any(line.strip().startswith(("import ray", "from ray")) for line in p.read_text().splitlines()))
     assert users == ["entmtp_ray/pipeline/dataplane.py", "entmtp_ray/pipeline/processor.py"]
+
+
+def test_a_read_beside_the_checkout_is_refused_and_recorded(tmp_path):
+    """helpers/alone.py, the suite's guard: a folder beside the checkout is a neighbour, the checkout's own files,
+    the temp dir's and this Python's are not; an open() of a neighbour's file fails and is recorded."""
+    from helpers import alone
+
+    clone, beside = tmp_path / "clone", tmp_path / "shared"
+    (clone / "data").mkdir(parents=True)
+    beside.mkdir()
+    (beside / "calibration.jsonl").write_text("{}\n")
+    (clone / "data" / "ok.jsonl").write_text("{}\n")
+    assert alone.neighbours(clone) == (str(beside.resolve()) + "/",)
+    assert alone.install(clone) == (str(beside.resolve()) + "/",)
+    assert (clone / "data" / "ok.jsonl").read_text() == "{}\n"
+    try:
+        (beside / "calibration.jsonl").read_text()
+    except PermissionError as exc:
+        assert "lies beside the checkout" in str(exc)
+    else:
+        raise AssertionError("a read beside the checkout was not refused")
+    assert alone.READ.pop() == str((beside / "calibration.jsonl").resolve())  # popped: the run itself is clean

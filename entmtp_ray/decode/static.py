@@ -123,6 +123,7 @@ class StaticVerifier:
         self.start = torch.zeros(1, dtype=torch.long, device=cache.k.device)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # the graphs' memory pool; None: verifying eagerly (no capture, or a capture failed)
+        self.capture_error: str | None = None  # why a capture failed (the verifier then runs eagerly)
         if capture:
             if cache.k.device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device; run the static verifier with capture off")
@@ -139,8 +140,9 @@ class StaticVerifier:
                 for buffers in trees:
                     if id(buffers) not in self.graphs:
                         self.graphs[id(buffers)] = self._capture(buffers, self.pool)
-        except RuntimeError:  # a stack that cannot capture still decodes, eagerly, and says so
+        except RuntimeError as exc:  # a stack that cannot capture still decodes, eagerly, and says so
             log.exception("capturing the verify forward as CUDA graphs failed; verifying eagerly on static shapes")
+            self.capture_error = f"{type(exc).__name__}: {exc}"
             self.graphs.clear()
             self.pool = None
         self.cache.reset()

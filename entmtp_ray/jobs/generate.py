@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import (CalibrationConfig, DecodingConfig, InputConfig, JobConfig, ModelConfig, PoolConfig,
                                ProcessorConfig)
-from entmtp_ray.pipeline.dataplane import connect, run_job, shutdown
+from entmtp_ray.pipeline.dataplane import connect, joined, run_job, shutdown
 from entmtp_ray.pipeline.manifest import check_or_write, run_settings
 from entmtp_ray.pipeline.outputs import check_output
 from entmtp_ray.pipeline.processor import build_processor, calibration_problem
@@ -42,6 +42,8 @@ def main(argv=None) -> int:
         add_config_args(parser, config)
     args = parser.parse_args(argv)
     quiet_logging()
+    # a caller that had joined Ray already (a notebook, a test session) stays joined; Ray this job joins, it leaves
+    leave = shutdown if not joined() else (lambda: None)
     try:
         source, job, pool = (config_from_args(c, args) for c in (InputConfig, JobConfig, PoolConfig))
         model_cfg, decoding = config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args)
@@ -51,21 +53,22 @@ def main(argv=None) -> int:
         spec = prompt_spec(decoding.task, source.dataset, source.split, source.prompt_column, source.id_column,
                            source.messages_column)
         files = open_prompts(spec)  # lists files (or reaches the hub) and checks columns: no rows read
-        connect(job, processor, location)  # joins Ray; nothing is written before its checks pass
+        timeline = {"configs": time.time()}  # the job's start-up, as the summary gives it
+        connect(job, processor, location, timeline)  # joins Ray; nothing is written before its checks pass
         check_output(location, job.resume)
         settings, sources = run_settings(model_cfg, processor.plan.requested, source, processor.plan.needs_heads,
                                          processor.plan.bank_path, pool.concurrent_requests)
         check_or_write(location, settings, job.resume, sources)
     except (ValueError, ValidationError, FileNotFoundError, ConnectionError) as exc:  # ConnectionError: --address
         print(f"error: {exc}", file=sys.stderr)
-        shutdown()  # a local Ray the job started goes with it
+        leave()  # a local Ray the job started goes with it
         return CONFIG_ERROR
-    summary = run_job(spec, job, processor, source.limit, decoding.seed, started, files)
+    summary = run_job(spec, job, processor, source.limit, decoding.seed, started, files, timeline)
     bank = processor.plan.bank
     summary.update(policy=processor.plan.decoding.policy, bank=processor.plan.bank_label,  # what ran, and why
                    bank_source=processor.plan.source,
                    bank_selection=bank.selection.reason if bank is not None and bank.selection else None)
-    shutdown()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
+    leave()  # Ray forwards autoscaler and worker logs to stdout until the driver disconnects
     print(json.dumps(summary), flush=True)
     problem = calibration_problem(summary.get("calibration"))
     if problem:

@@ -3,7 +3,7 @@ rows or keys share the call (docs/design.md §7). Knows nothing about trees or c
 
 SDPA's CPU kernel reduces a row's softmax and weighted sum over all the keys of the call, the masked ones included
 (exact zeros, but in another blocking), so a tree row that sees the prefix and its ancestors rounds unlike the
-one-token step at its position, which sees the same keys alone (`jobs/first_parting.py` finds it: the first
+one-token step at its position, which sees the same keys alone (`tools/first_parting.py` finds it: the first
 parting of every bf16 row on an AVX2 host). Here every row's scores are accumulated over the head dimension in
 order (a vector lane per key), and its softmax sum and weighted sum run over its unmasked keys in position order,
 in fp32: a tree row's keys (the prefix, then its ancestors) are the one-token step's keys in the same order, so

@@ -22,7 +22,7 @@ from entmtp_ray.model.kv_cache import KVCache
 
 
 # A probe sees the output of every operation of the forwards run inside `probed`: probe(layer, op, rows [r, F]),
-# layer -1 for the embedding and len(layers) for the final norm (jobs/first_parting.py compares two forwards op by op).
+# layer -1 for the embedding and len(layers) for the final norm (tools/first_parting.py compares two forwards op by op).
 Probe = Callable[[int, str, torch.Tensor], None]
 _probe: Probe | None = None
 

@@ -37,7 +37,8 @@ from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.outputs import finished_keys, summarize
 from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_mounts, spans_nodes
 from entmtp_ray.pipeline.autobank import data_identity
-from entmtp_ray.pipeline.processor import PROBE_PATIENCE_S, Processor, calibration_problem, calibration_rows
+from entmtp_ray.pipeline.processor import (PROBE_PATIENCE_S, Processor, StartupLog, calibration_problem,
+                                           calibration_rows)
 from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, output_keys
 from entmtp_ray.pipeline.sources import (ColumnScan, Location, Source, file_format, file_label, read_file,
                                          scan_file)
@@ -138,8 +139,11 @@ def read_prompts(spec: PromptSpec, source: Source | None = None) -> "ray.data.Da
     if spec.kind == "files":
         source = source or open_source(spec)
         typed_spec = spec if spec.types is not None else scan_files(spec, source)
-        return ray.data.read_datasource(PromptFiles(source, typed_spec))
-    return ray.data.read_datasource(OneTaskPrompts(spec))
+        # a block per file as read (a file is read by one task in order, streaming its blocks): Ray Data would
+        # otherwise split a small file into a block per row, and --limit's sort would run a task per block; the
+        # actors' input is cut into blocks of --rows-per-block anyway (Processor.decode)
+        return ray.data.read_datasource(PromptFiles(source, typed_spec), override_num_blocks=len(source.files))
+    return ray.data.read_datasource(OneTaskPrompts(spec), override_num_blocks=1)
 
 
 def _lowest_keys(limit: int, seed: int):
@@ -224,14 +228,17 @@ def _check_gpu_where_actors_run(gpus: float) -> None:
         raise ValueError(f"a task given GPU {gpu_ids} on node {node}, as an actor would be: {problem}")
 
 
-def connect(job: JobConfig, processor: Processor, location: Location | None = None) -> ActorPlacement:
+def connect(job: JobConfig, processor: Processor, location: Location | None = None,
+            timeline: dict[str, float] | None = None) -> ActorPlacement:
     """Join job.address (or RAY_ADDRESS), else start a local Ray; decide the actors' GPUs and device (once per
     processor) and check that `location` is seen by every node that writes to it and, last (they may wait for
     the autoscaler), that torch can use a GPU where the actors will run and, with --dtype auto on CPU actors, which
     dtype they compute in (Processor.ask_actors, which resolves the plan again). ValueError names the fix (the job
-    exits 2)."""
+    exits 2). `timeline`: unix times of the phases, added by name (ray_up, checks, dtype)."""
+    timeline = {} if timeline is None else timeline
     fresh = processor.placement is None or not ray.is_initialized()
     placement, started_here = _place(job, processor) if fresh else (processor.placement, False)
+    timeline.setdefault("ray_up", time.time())
     if location is not None:
         pool = processor.config.pool
         nodes = [n for n in ray.nodes() if n["Alive"]]
@@ -244,7 +251,9 @@ def connect(job: JobConfig, processor: Processor, location: Location | None = No
     if fresh and placement.device == "cuda" and not started_here:  # a local Ray's GPUs are the driver's, checked
         _check_gpu_where_actors_run(placement.gpus)
     processor.placement = placement
-    processor.ask_actors()  # last too: it may wait for a node
+    timeline.setdefault("checks", time.time())
+    processor.ask_actors(local=started_here)  # last too: it may wait for a node
+    timeline.setdefault("dtype", time.time())
     return placement
 
 
@@ -267,6 +276,11 @@ def _place(job: JobConfig, processor: Processor) -> tuple[ActorPlacement, bool]:
         log.warning("the Ray cluster has no GPU now, so the actors reserve none and run on CPU; on an autoscaling "
                     "cluster whose GPU nodes are not up yet, pass --gpus-per-actor 1")
     return placement, started_here
+
+
+def joined() -> bool:
+    """Whether this process has joined a Ray cluster (started one, or connected to one)."""
+    return ray.is_initialized()
 
 
 def shutdown() -> None:
@@ -315,15 +329,19 @@ def _write_calibration_rows(location: Location, table: pa.Table) -> None:
 
 
 def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor, limit: int | None = None,
-            seed: int = 123, started: float | None = None, source: Source | None = None) -> dict:
+            seed: int = 123, started: float | None = None, source: Source | None = None,
+            timeline: dict[str, float] | None = None) -> dict:
     """Generate for every prompt row (a spec's, streamed; or a small table's) not yet in job.output, write
     them there, and return the run's summary. `started` (unix seconds) is when the job began, for the wall
     time and the time to first row. An auto bank is calibrated first (Processor.calibrate); a greedy job's
     calibration rollouts are written as its rows for those prompts, and the pool decodes the rest. The summary's
-    `ok` is false when the calibration failed and its fallback was not accepted (--allow-bank-fallback)."""
+    `ok` is false when the calibration failed and its fallback was not accepted (--allow-bank-fallback). Its
+    `startup` is the job's start-up timeline (seconds since `started`): the driver's phases (`timeline`, the unix
+    times of those that came before, added to) and each actor's (start_up_timeline)."""
     start = started or time.time()
+    timeline = {} if timeline is None else timeline
     location = Location.of(job.output)
-    connect(job, processor, location)
+    connect(job, processor, location, timeline)
     if isinstance(prompts, PromptSpec) and prompts.kind == "files" and prompts.types is None:
         source = source or open_source(prompts)
         prompts = scan_files(prompts, source)  # once: the calibration's reading and the job's type alike
@@ -345,6 +363,8 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
             finished = finished_keys_task.options(**_on_this_node()).remote(location)  # now with those rows
     if finished:
         ds = ds.map_batches(_drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)
+    processor.startup_log = StartupLog.options(**_on_this_node()).remote()
+    timeline["planned"] = time.time()
     processor.decode(ds).write_parquet(location.path, filesystem=location.filesystem,
                                        min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
     read = ray.get(tally.total.remote())
@@ -354,4 +374,19 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     if calibration is not None:
         summary["calibration"] = calibration
     summary["ok"] = calibration_problem(calibration) is None
+    summary["startup"] = start_up_timeline(start, timeline, ray.get(processor.startup_log.get.remote()),
+                                           summary.get("first_row_s"))
     return summary
+
+
+def start_up_timeline(started: float, driver: dict[str, float], actors: dict[str, dict[str, float]],
+                      first_row_s: float | None) -> dict:
+    """The job's start-up as seconds since `started`: the driver's phases (Ray up, the job's checks, the actors'
+    dtype asked, the dataset planned), then each actor's in the order it started (process up, imports, bank,
+    weights, decoder, kernels, warm-up, ready, its first request), and when the first row was written."""
+    def since(marks: dict[str, float]) -> dict[str, float]:
+        return {phase: round(at - started, 2) for phase, at in sorted(marks.items(), key=lambda kv: kv[1])}
+
+    ordered = sorted(actors.items(), key=lambda kv: kv[1].get("process_up", 0.0))
+    return {"driver": since(driver), "actors": [{"actor": actor[:12], **since(marks)} for actor, marks in ordered],
+            "first_row_s": first_row_s}

@@ -175,7 +175,9 @@ class Engine:
                  executor: TorchThread | None = None):
         self.model_cfg = model_cfg
         self.concurrency = concurrency
+        self.startup: dict[str, float] = {}  # unix time each phase of the load ended (a job's start-up timeline)
         resolved = resolve(model_cfg, decoding, bank=bank, bank_label=bank_label)
+        self.startup["bank"] = time.time()
         if resolved.calibrate:
             log.warning(fallback_warning(model_cfg, resolved.decoding, "this process calibrates no bank"))
         self.decoding = resolved.decoding  # the policy that runs, never `auto`
@@ -183,7 +185,9 @@ class Engine:
             raise ValueError("the shared model was loaded without heads, which this policy drafts with")
         self.stack = stack or load_stack(model_cfg, resolved.needs_heads)
         self.loaded = self.stack.loaded
+        self.startup["weights"] = time.time()
         self.decoder = self.stack.decoder(resolved.policy, self.decoding)  # a static cache sized from the job
+        self.startup["decoder"] = time.time()
         self.batcher = Batcher(self.decoder, concurrency, executor) if concurrency > 1 else None
         self.bank_label = resolved.bank_label
         warn_if_bank_elsewhere(self.stack, resolved, concurrency)

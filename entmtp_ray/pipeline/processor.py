@@ -55,7 +55,11 @@ class GenerateActor:
     """Callable class for map_batches: loads model, heads and policy once, then decodes row by row."""
 
     def __init__(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None = None,
-                 bank_label: str | None = None, concurrency: int = 1):
+                 bank_label: str | None = None, concurrency: int = 1, startup: "ray.actor.ActorHandle | None" = None):
+        import psutil
+
+        # this actor's start-up timeline (unix seconds by phase), reported to the job's StartupLog when given
+        self.startup, self.marks = startup, {"process_up": psutil.Process().create_time(), "init": time.time()}
         self.torch_thread = None
         if concurrency > 1:
             # Ray runs up to K calls of this actor at once, on threads of its own; each hands its row to the engine's
@@ -66,24 +70,39 @@ class GenerateActor:
                                                    concurrency).result()
         else:
             self.engine = self._load(model_cfg, decoding, threads, bank, bank_label, 1)
+        self._mark("ready")
+
+    def _mark(self, phase: str) -> None:
+        self.marks[phase] = time.time()
+        if phase in ("ready", "first_request") and self.startup is not None:
+            self.startup.add.remote(ray.get_runtime_context().get_actor_id(), dict(self.marks))
 
     def _load(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None, bank_label: str | None,
               concurrency: int):
         import torch
 
+        from entmtp_ray.model.attention import DTYPES, fixed_order_ready
         from entmtp_ray.pipeline.engine import Engine
 
+        self._mark("imports")
         if model_cfg["device"] == "cuda":
             check_assigned_gpu()
         torch.set_num_threads(max(1, threads))
         calibrated = Bank.model_validate_json(bank) if bank else None  # an auto bank, as the job calibrated it
         engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding), calibrated, bank_label,
                         concurrency=concurrency, executor=self.torch_thread)
+        self.marks.update(engine.startup)
         engine.actor_id = ray.get_runtime_context().get_actor_id()
+        if engine.loaded.device.type == "cpu" and engine.loaded.dtype in DTYPES:
+            fixed_order_ready()  # loads (or builds) the kernel now, so that the timeline shows it apart
+            self._mark("kernels")
         engine.warm_up()
+        self._mark("warm_up")
         return engine
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if "first_request" not in self.marks:
+            self._mark("first_request")
         rows = []
         for row in batch.select(list(ROW_COLUMNS)).to_pylist():
             index = row[SAMPLE_INDEX]
@@ -112,6 +131,20 @@ def check_assigned_gpu() -> None:
                            f"Ray, but {problem}")
 
 
+@ray.remote(num_cpus=0)
+class StartupLog:
+    """The start-up timelines the job's actors report (actor id -> unix seconds by phase), for its summary."""
+
+    def __init__(self):
+        self.actors: dict[str, dict[str, float]] = {}
+
+    def add(self, actor_id: str, marks: dict[str, float]) -> None:
+        self.actors.setdefault(actor_id, {}).update(marks)
+
+    def get(self) -> dict[str, dict[str, float]]:
+        return self.actors
+
+
 def _maybe_fault(row_id: str | None, sample_index: int = 0) -> None:
     target, marker = os.environ.get(FAULT_ROW_ENV), os.environ.get(FAULT_MARKER_ENV)
     if target and marker and target in (row_id, sample_key(row_id, sample_index)) and not os.path.exists(marker):
@@ -135,6 +168,7 @@ class Processor:
                                config.messages_column)
         self.placement: ActorPlacement | None = None  # decided once Ray is up (dataplane.connect, or generate)
         self._dtype: str | None = None  # the actors' (actors_dtype)
+        self.startup_log = None  # a StartupLog the actors report their start-up to (set by dataplane.run_job)
 
     def place(self) -> ActorPlacement:
         """The actors' GPUs and device on the connected Ray cluster (placement.place_actors), decided once, and the
@@ -167,19 +201,23 @@ class Processor:
             return actors_here(model, on_gpu=on_gpu).dtype
         return self._dtype
 
-    def ask_actors(self) -> None:
+    def ask_actors(self, local: bool = False) -> None:
         """With --dtype auto on CPU actors, ask a Ray task with an actor's CPUs which dtype it picks there (once per
         job; on an autoscaling cluster it waits for a node, so the job's checks run first), and resolve the plan
-        again with it: the default bank's variant for that dtype, or a calibrated bank when none ships."""
+        again with it: the default bank's variant for that dtype, or a calibrated bank when none ships. `local`: the
+        cluster is a local Ray this process started, so the actors' CPU is this one and nothing need be asked."""
         placement, model, pool = self.place(), self.config.model, self.config.pool
         if self._dtype is not None or placement.device.startswith("cuda") or model.dtype != "auto":
             return
-        probe = ray.remote(probe_hardware).options(num_cpus=pool.cpus_per_actor).remote(
-            model.model_dump() | {"device": "cpu"}, int(pool.cpus_per_actor), pool.concurrent_requests)
-        while not ray.wait([probe], timeout=PROBE_PATIENCE_S)[0]:
-            log.warning("waiting for a node with %g free CPUs to ask which dtype --dtype auto picks there (the "
-                        "autoscaler may be starting one)", pool.cpus_per_actor)
-        self._dtype = ray.get(probe).dtype
+        if local:  # no worker process to start (and torch to import) for the question
+            self._dtype = actors_here(model, on_gpu=False).dtype
+        else:
+            probe = ray.remote(probe_hardware).options(num_cpus=pool.cpus_per_actor).remote(
+                model.model_dump() | {"device": "cpu"}, int(pool.cpus_per_actor), pool.concurrent_requests)
+            while not ray.wait([probe], timeout=PROBE_PATIENCE_S)[0]:
+                log.warning("waiting for a node with %g free CPUs to ask which dtype --dtype auto picks there (the "
+                            "autoscaler may be starting one)", pool.cpus_per_actor)
+            self._dtype = ray.get(probe).dtype
         if self.bank_json is None:  # a calibrated bank stays
             before, self.plan = self.plan, resolve(model, self.config.decoding, self.actors(placement))
             if self.plan.calibrate and not before.calibrate:
@@ -310,7 +348,7 @@ class Processor:
                                    "decoding": self.plan.decoding.model_dump(),
                                    "threads": max(1, int(pool.cpus_per_actor)),
                                    "bank": self.bank_json, "bank_label": self.plan.bank_label,
-                                   "concurrency": pool.concurrent_requests},
+                                   "concurrency": pool.concurrent_requests, "startup": self.startup_log},
             batch_size=1,
             batch_format="pyarrow",
             compute=actor_pool(pool),
