@@ -56,7 +56,7 @@ class GenerateActor:
 
     def __init__(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None = None,
                  bank_label: str | None = None, concurrency: int = 1, startup: "ray.actor.ActorHandle | None" = None):
-        import psutil
+        import psutil  # Ray's own copy (ray/thirdparty_files), on the path of every Ray worker
 
         # this actor's start-up timeline (unix seconds by phase), reported to the job's StartupLog when given
         self.startup, self.marks = startup, {"process_up": psutil.Process().create_time(), "init": time.time()}
