@@ -165,3 +165,18 @@ def test_a_misspelt_setting_fails_instead_of_vanishing():
         JobConfig(output="o", dataset="my.jsonl")  # an input setting: InputConfig's
     with pytest.raises(ValidationError, match="max_new_token"):
         DecodingConfig(max_new_token=5)
+
+
+def test_every_entmtp_command_runs_its_modules_main(capsys):
+    """`entmtp <command> --help` reaches each command's own parser (train-heads' recipe steps included); an unknown
+    command exits 2 naming the commands."""
+    from entmtp_ray.commands import COMMANDS, TRAIN_STEPS, main
+
+    for argv in [[name] for name in COMMANDS] + [["train-heads", step] for step in TRAIN_STEPS]:
+        try:
+            main([*argv, "--help"])
+        except SystemExit as exc:
+            assert exc.code == 0, argv
+        out = capsys.readouterr().out
+        assert out.startswith("usage: entmtp"), (argv, out[:200])
+    assert main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
