@@ -53,7 +53,8 @@ def parse(argv):
     add_config_args(p, DecodingConfig, only=("task", "bank", "seed", "max_new_tokens", "max_input_tokens"),
                     defaults={"max_new_tokens": 128})
     p.add_argument("--subset", default=None, choices=["all", "tune", "eval"],
-                   help="rows of a task (default: eval, the prompts no bank or head saw; all for --dataset)")
+                   help="rows of a task (default: eval with --task, the prompts no bank or head saw; "
+                        "all for a --dataset alone)")
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS + ("hf-continuous",),
                    help="default: all that apply (entmtp-* need a bank, llama-cpp its package and the embedded model)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])

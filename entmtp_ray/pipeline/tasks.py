@@ -384,7 +384,11 @@ def load_prompts(task: str | None, dataset: str | None, split: str = "test", pro
     table = pa.concat_tables(chunks, promote_options="permissive") if chunks else EMPTY.empty_table()
     if len(set(table.column("id").to_pylist())) != table.num_rows:
         raise ValueError("ids are not unique; pick a unique --id-column or drop it to get ids from row positions")
-    table = select_subset(table, task, subset)
+    chosen = select_subset(table, task, subset)
+    if table.num_rows and not chosen.num_rows:
+        raise ValueError(f"none of the {table.num_rows} rows is in the {task} '{subset}' subset (rows are split "
+                         "by a hash of their id); pass --subset all to use them all")
+    table = chosen
     if exclude:
         table = table.filter(pa.array([i not in exclude for i in table.column("id").to_pylist()], pa.bool_()))
     return sample(table, limit, seed)
