@@ -21,6 +21,13 @@ from helpers.tiny import make_tiny_llama, tiny_with_heads  # noqa: E402
 
 NEIGHBOURS = alone.install()  # reads of a folder beside the checkout fail from here on (helpers/alone.py)
 
+# `make test` runs two tests at once (xdist): each worker takes its share of the cores, since torch's default (every
+# core per process) oversubscribes them and OpenMP's spinning threads then wait on each other (a real-model test
+# ran 5x slower beside another than alone). A test compares outputs computed in its own process, at one thread count.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+torch.set_num_threads(THREADS)
+
 
 def pytest_sessionfinish(session, exitstatus):
     if alone.READ:  # a read that some code caught and survived still fails the run
