@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-CLI = [sys.executable, "-m", "entmtp_ray", "generate"]
+from helpers.jobs import run_main
 
 
-def run_cli(*args, timeout=900):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+def run_cli(*args):
+    """`entmtp generate ARGS` (python -m entmtp_ray generate), its main run in this process: the embedded model's
+    load is the cost, not a second interpreter's imports; tests/test_install.py runs the installed command."""
+    from entmtp_ray.cli import main
+
+    return run_main(main, ["generate", *args])
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from entmtp_ray.calibrate.bank import BankTree, Hardware, PolicyParams, SignalParams, load_bank, save_bank
 from helpers.banks import make_bank
+from helpers.jobs import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 GSM8K = ROOT / "tests" / "fixtures" / "gsm8k_train_200.jsonl"  # GSM8K train's first 200 lines
@@ -254,20 +255,18 @@ def test_the_default_reads_the_variant_of_a_shipped_bank_timed_in_the_actors_dty
 
 
 @pytest.mark.slow
-def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
+def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path, ray_cluster):
     """jobs/build_bank.py on real local Ray with the tiny model: rollouts, rank tables, growth,
     timings, sweeps -> a bank that loads; a run stopped during the timing resumes it; a finished run's
     rerun reuses every cached stage."""
-    import subprocess
-    import sys
+    from entmtp_ray.jobs.build_bank import main
 
     model_dir, heads_dir = tiny_model_dirs
     out, work = tmp_path / "bank.json", tmp_path / "work"
-    args = [sys.executable, str(ROOT / "jobs" / "build_bank.py"),
-            "--task", "gsm8k", "--dataset", str(GSM8K), "--prompts", "4",
+    args = ["--task", "gsm8k", "--dataset", str(GSM8K), "--prompts", "4",
             "--max-new-tokens", "24", "--budget", "8", "--timing-prompts", "2", "--model", str(model_dir),
             "--heads", str(heads_dir), "--out", str(out), "--work", str(work)]
-    first = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    first = run_main(main, args)
     assert first.returncode == 0, first.stderr[-3000:]
     bank = load_bank(out, max_depth=4)
     assert bank.task == "gsm8k" and bank.hardware.threads == 1
@@ -289,7 +288,7 @@ def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     cut = sorted(trees)[0]
     del timing["steps"], timing["rounds"][1][cut]
     (work / "step_seconds.json").write_text(json.dumps(timing))
-    second = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    second = run_main(main, args)
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = json.loads((work / "step_seconds.json").read_text())
     assert resumed["rounds"][0] == timing["rounds"][0] and set(resumed["rounds"][1]) == trees
@@ -299,7 +298,7 @@ def test_build_bank_job_end_to_end_and_resume(tiny_model_dirs, tmp_path):
     assert [t.name for t in resumed_bank.trees] == [t.name for t in bank.trees]  # the frontier needs no timing
 
     stamp = (work / "step_seconds.json").stat().st_mtime
-    third = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    third = run_main(main, args)
     assert third.returncode == 0, third.stderr[-3000:]
     # every rollout was already written: none decoded in this run (the summary's first_row_s)
     assert "rows already in" in third.stderr and '"first_row_s": null' in third.stderr

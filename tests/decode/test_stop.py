@@ -8,11 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
-import sys
 from types import SimpleNamespace
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +20,7 @@ from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.stop import StopStrings
 from entmtp_ray.decode.tree import load_topology
 from entmtp_ray.model.loading import LoadedModel
-from helpers import raytools
+from helpers.jobs import run_here
 from helpers.oracle import MAX_NEW, PROMPT, OracleDrafter, assert_cache_holds_the_committed_prefix, rotating, tree_of
 
 CHAIN = 5  # chain4 accepts 5 tokens a step after the prefill's one: step j emits output[5j-4 .. 5j]
@@ -247,15 +243,8 @@ def test_stop_flags_take_lists_as_vllm_does_and_are_repeatable():
     assert table.count("several values after one flag") == 2
 
 
-@pytest.fixture
-def own_ray(monkeypatch):
-    """The job's local Ray under this test's own directory; what is left of it afterwards is stopped."""
-    with raytools.own_ray_env(monkeypatch, "rs-") as temp_dir:
-        yield temp_dir
-
-
 @pytest.mark.slow
-def test_a_job_with_a_stop_string_ends_each_row_at_it_on_the_embedded_model(tmp_path, own_ray):
+def test_a_job_with_a_stop_string_ends_each_row_at_it_on_the_embedded_model(tmp_path, ray_cluster):
     """jobs/generate.py with --stop on SmolLM2 and its real tokenizer: each row ends at the first newline of the
     output the same decoder gives without --stop, even where a Hydra step committed tokens past it."""
     import pyarrow.dataset as pads
@@ -265,16 +254,15 @@ def test_a_job_with_a_stop_string_ends_each_row_at_it_on_the_embedded_model(tmp_
 
     # prompts where, with the shipped heads, one row's newline lands inside a Hydra step ('fruits': step 3 of 2-1-3)
     prompts = {"colours": "List three colours, one per line.", "fruits": "Name four fruits, one per line."}
-    settings = dict(policy="hydra", max_new_tokens=40)
+    settings = dict(policy="hydra", max_new_tokens=24)
     engine = Engine(ModelConfig(dtype="fp32", device="cpu"), DecodingConfig(**settings))
     plain = {key: engine.generate(key, prompt) for key, prompt in prompts.items()}
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n"
                                                     for k, v in prompts.items()))
     output = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "jobs/generate.py", "--dataset", str(tmp_path / "prompts.jsonl"),
-                           "--id-column", "id", "--policy", "hydra", "--dtype", "fp32", "--device", "cpu",
-                           "--max-new-tokens", "40", "--stop", "\n", "--output", str(output)],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    proc = run_here(["--dataset", str(tmp_path / "prompts.jsonl"), "--id-column", "id", "--policy", "hydra",
+                     "--dtype", "fp32", "--device", "cpu", "--max-new-tokens", "24", "--max-actors", "1",
+                     "--stop", "\n", "--output", str(output)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["id"]: r for r in pads.dataset(str(output), format="parquet").to_table().to_pylist()}
     cut_inside_a_step = False

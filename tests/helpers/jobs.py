@@ -1,7 +1,8 @@
 """jobs/generate.py as the tests run it, on the tiny local model directory (conftest.py's tiny_model_dirs), over a
 prompt file a test writes, its Parquet output read back: in this process on the session's shared Ray (run_here,
-with conftest.py's `ray_cluster`), or in a subprocess with a Ray of its own (run_job) where the process itself is
-what a test checks (a fault injected through its environment, a driver killed, a copy of the checkout)."""
+with conftest.py's `ray_cluster`; `environment` gives its workers variables, as for a fault injected or an S3
+endpoint), or in a subprocess with a Ray of its own (run_job) where the process itself is what a test checks (a
+driver killed, a copy of the checkout, `ray job submit`)."""
 
 from __future__ import annotations
 
@@ -68,19 +69,44 @@ class Finished:
     stderr: str
 
 
+@contextlib.contextmanager
+def environment(head, env: dict[str, str]):
+    """This process joined to the shared Ray `head` (conftest's `ray_cluster`) as a driver whose every task and
+    actor has `env` in its environment (Ray's runtime_env: fresh workers, as a job started with `env` would have);
+    joined again without it on the way out, for the rest of the test."""
+    import ray
+
+    ray.shutdown()
+    ray.init(address=head.address, runtime_env={"env_vars": env}, log_to_driver=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        ray.init(address=head.address, log_to_driver=True)
+
+
 def run_here(args: list[str]) -> Finished:
     """The job of `args` (job_args' list, or the flags alone) run by jobs/generate.py's main in this process, on the
     Ray this process has joined (conftest's `ray_cluster`), or with none joined (a job that must fail before it
     joins one). Only where the subprocess itself is what a test checks does it run the job as one (run_job)."""
     from entmtp_ray.jobs.generate import main
 
-    argv = list(args[len(JOB):] if args[:len(JOB)] == JOB else args)
+    return run_main(main, list(args[len(JOB):] if args[:len(JOB)] == JOB else args))
+
+
+def run_main(main, argv: list[str]) -> Finished:
+    """A command's `main(argv)` run in this process as its launcher would run it: stdout, stderr and the warnings it
+    logs captured, its exit status (argparse's usage errors included); torch's thread count, which a command may
+    set for its work, is given back afterwards."""
+    import torch
+
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(err)
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))  # as cli.quiet_logging's
     root = logging.getLogger()
     root.addHandler(handler)
+    threads = torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -89,4 +115,5 @@ def run_here(args: list[str]) -> Finished:
                 code = exc.code if isinstance(exc.code, int) else 1
     finally:
         root.removeHandler(handler)
+        torch.set_num_threads(threads)
     return Finished(code, out.getvalue(), err.getvalue())

@@ -188,6 +188,7 @@ def fake_cluster(tmp_path):
     with raytools.ray_head(f"--autoscaling-config={config}", "--num-cpus=2", "--num-gpus=0",
                            port=port, env=env, prefix="rfc-") as head:
         assert head.address == address
+        ray.shutdown()  # the session's shared Ray, if a test before joined it
         try:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
             yield address, head.env

@@ -100,6 +100,7 @@ def test_an_actor_given_a_gpu_torch_cannot_use_fails_naming_the_fix(tiny_model_d
     from entmtp_ray.pipeline.processor import GenerateActor
 
     model_dir, heads_dir = tiny_model_dirs
+    ray.shutdown()  # the session's shared Ray, if a test before joined it
     ray.init(num_cpus=2, num_gpus=1, include_dashboard=False)
     try:
         actor = ray.remote(num_cpus=1, num_gpus=1)(GenerateActor).remote(

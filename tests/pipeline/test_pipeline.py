@@ -4,8 +4,10 @@ exactly-once under actor death and node loss, resume without regeneration, confi
 The model is a tiny random Llama directory (tests/conftest.py) so that Ray, not decoding,
 dominates the time; test_job_submit.py runs the embedded model through `ray job submit`.
 
-Each test's Ray lives under its own directory (RAY_TMPDIR, tests/helpers/raytools.py): after the test
-exactly its processes are stopped and checked gone; no other Ray on the machine is touched.
+Jobs run in this process on the session's shared Ray (tests/conftest.py), a fault injected through the
+environment of its workers (helpers.jobs.environment). A test that kills the driver or removes a node has a
+Ray of its own under its own directory (RAY_TMPDIR, tests/helpers/raytools.py): after the test exactly its
+processes are stopped and checked gone; no other Ray on the machine is touched.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import time
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import pytest
 
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
 from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
 from helpers import raytools
-from helpers.jobs import job_args, read_output, readable_rows, run_here, run_job, write_prompts
+from helpers.jobs import environment, job_args, read_output, readable_rows, run_here, run_job, write_prompts
 
 
 
@@ -56,27 +59,27 @@ def test_job_writes_every_row_once_with_stats_and_input_columns(tiny_model_dirs,
 def test_every_record_is_counted_an_unreadable_line_and_a_typed_column_included(tiny_model_dirs, tmp_path,
                                                                                ray_cluster):
     """9 JSON lines, one of them not UTF-8 and one a number where the prompt goes: 9 rows, input_rows 9; a column
-    that is an int for CHUNK_ROWS + 1 lines and then a string comes back text in every file, with a warning."""
-    from entmtp_ray.pipeline.sources import CHUNK_ROWS
-
+    that is an int in every line before the last of the last file, and a string there, comes back text in every
+    output file, with a warning (the job scans every file before it writes: the reader's tests in test_tasks.py
+    cross a chunk of CHUNK_ROWS records the same way)."""
     lines = [json.dumps({"uid": f"q{i}", "text": f"Say {i}.", "n": i}).encode() for i in range(9)]
     lines[3] = b'{"uid": "q3", "text": "caf\xe9 \xff"}'
     lines[5] = json.dumps({"uid": "q5", "text": 5, "n": 5}).encode()
     data = tmp_path / "data"
     data.mkdir()
     (data / "messy.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    (data / "long.jsonl").write_text("".join(json.dumps({"uid": f"l{i}", "text": "Hi.", "n": i}) + "\n"
-                                             for i in range(CHUNK_ROWS + 1)) + json.dumps(
+    (data / "tail.jsonl").write_text("".join(json.dumps({"uid": f"l{i}", "text": "Hi.", "n": i}) + "\n"
+                                             for i in range(3)) + json.dumps(
         {"uid": "last", "text": "Hi.", "n": "many"}) + "\n")
-    # blocks of 1,024 rows: the 4,107 rows' decoding costs little, their blocks' round trips a lot
     proc = run_here(job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "ar", "--max-new-tokens", "1",
-                             "--max-actors", "2", "--rows-per-block", "1024"))
+                             "--max-actors", "2", "--rows-per-file", "4"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    total = 9 + CHUNK_ROWS + 2
+    total = 9 + 4
     assert summary["rows"] == summary["input_rows"] == total and summary["duplicates"] == 0
-    assert "column 'n' holds int values, then string at long.jsonl line 4098" in proc.stderr
-    assert pads.dataset(str(tmp_path / "out"), format="parquet").schema.field("n").type == pa.string()
+    assert "column 'n' holds int values, then string at tail.jsonl line 4" in proc.stderr
+    files = sorted((tmp_path / "out").glob("*.parquet"))
+    assert len(files) > 1 and all(pq.read_schema(f).field("n").type == pa.string() for f in files)
     frame = pd.read_parquet(tmp_path / "out")
     assert len(frame) == total
     by_id = frame.set_index("id")
@@ -86,13 +89,14 @@ def test_every_record_is_counted_an_unreadable_line_and_a_typed_column_included(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["exit", "broken"])
-def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path, kind, own_ray):
+def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path, kind, ray_cluster):
     """An actor that dies mid-row (exit), or whose engine reports itself broken (as out of memory or a
     CUDA error would: the actor ends itself), is restarted and its row retried: every row once."""
     data = write_prompts(tmp_path / "prompts.jsonl", 8)
     marker = tmp_path / "crashed"
     env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q3", "ENTMTP_FAULT_MARKER": str(marker), "ENTMTP_FAULT_KIND": kind}
-    proc = run_job(job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "ar"), env=env)
+    with environment(ray_cluster, env):
+        proc = run_here(job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "ar"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     ids = [r["id"] for r in read_output(tmp_path / "out")]
@@ -102,16 +106,17 @@ def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path, kind, ow
 
 @pytest.mark.slow
 def test_concurrent_requests_write_the_rows_of_one_at_a_time_once_each_through_an_actor_death(tiny_model_dirs,
-                                                                                              tmp_path, own_ray):
+                                                                                              tmp_path, ray_cluster):
     """--concurrent-requests 3: each actor runs three rows at once through one batch; the rows equal a
     one-at-a-time job's, and an actor that dies with rows in flight has every one of them retried, none twice."""
     data = write_prompts(tmp_path / "prompts.jsonl", 10)
-    one = run_job(job_args(tiny_model_dirs, data, tmp_path / "one", "--policy", "hydra"))
+    one = run_here(job_args(tiny_model_dirs, data, tmp_path / "one", "--policy", "hydra"))
     assert one.returncode == 0, one.stderr[-3000:]
     marker = tmp_path / "crashed"
     env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q4", "ENTMTP_FAULT_MARKER": str(marker), "ENTMTP_FAULT_KIND": "exit"}
     args = job_args(tiny_model_dirs, data, tmp_path / "many", "--policy", "hydra", "--concurrent-requests", "3")
-    many = run_job(args, env=env)
+    with environment(ray_cluster, env):
+        many = run_here(args)
     assert many.returncode == 0, many.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     want = {r["id"]: r["output_token_ids"] for r in read_output(tmp_path / "one")}
@@ -122,7 +127,7 @@ def test_concurrent_requests_write_the_rows_of_one_at_a_time_once_each_through_a
     assert any(a == b and s1 < e2 and s2 < e1 for i, (a, s1, e1) in enumerate(spans) for b, s2, e2 in spans[i + 1:]), \
         "no actor had two rows in flight at once"
     assert json.loads((tmp_path / "many" / "_manifest.json").read_text())["settings"]["concurrent_requests"] == 3
-    other = run_job(args + ["--resume", "--concurrent-requests", "1"])  # another K is another setting of the rows
+    other = run_here(args + ["--resume", "--concurrent-requests", "1"])  # another K is another setting of the rows
     assert other.returncode == 2 and "concurrent_requests: 3 -> 1" in other.stderr
 
 

@@ -1,6 +1,6 @@
 """Inputs and outputs on an object store: an S3 server (moto's) that the test starts on 127.0.0.1 holds the
 prompts and receives the Parquet output, through pyarrow's S3 filesystem in the job and in every Ray worker
-(they inherit the endpoint from the environment, as they would inherit credentials on a cluster).
+(given the endpoint in their environment, as a cluster's workers would be given credentials).
 
 Covered: a job end to end, then a resume that completes it; a multi-file Parquet folder and a glob as inputs;
 a resume with other settings refused, naming them.
@@ -18,9 +18,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from helpers.jobs import JOB, run_job
+from helpers.jobs import environment, run_here
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_ray")]  # own_ray: pipeline/conftest.py, per test
+pytestmark = pytest.mark.slow
 BUCKET = "entmtp-test"
 
 
@@ -75,7 +75,7 @@ def output_rows(prefix: str) -> list[dict]:
 
 def job(dirs, dataset: str, output: str, *extra) -> list[str]:
     model_dir, heads_dir = dirs
-    return [*JOB, "--dataset", dataset, "--model", str(model_dir), "--heads", str(heads_dir), "--policy", "ar",
+    return ["--dataset", dataset, "--model", str(model_dir), "--heads", str(heads_dir), "--policy", "ar",
             "--max-new-tokens", "4", "--output", output, *extra]
 
 
@@ -85,44 +85,44 @@ def summary_of(proc) -> dict:
 
 
 def test_a_job_reads_and_writes_s3_then_a_resume_completes_it_and_other_settings_are_refused(
-        s3_env, tiny_model_dirs):
+        s3_env, tiny_model_dirs, ray_cluster):
     lines = [json.dumps({"qid": f"q{i}", "text": f"Write item number {i}.", "label": i}) for i in range(10)]
     source = put("in/prompts.jsonl", ("\n".join(lines) + "\n{broken\n").encode())
     output = f"s3://{BUCKET}/out/run1"
     args = job(tiny_model_dirs, source, output, "--prompt-column", "text", "--id-column", "qid")
 
-    first = summary_of(run_job(args + ["--limit", "4"], env=s3_env))
-    assert (first["rows"], first["input_rows"], first["duplicates"]) == (4, 4, 0)
-    assert first["output"] == output
-    before = {r["id"]: r["started_at"] for r in output_rows("out/run1")}
-    assert len(before) == 4
-    manifest = json.loads(s3().open_input_stream(f"{BUCKET}/out/run1/_manifest.json").read())
-    assert manifest["settings"]["input"]["dataset"] == source
+    with environment(ray_cluster, s3_env):  # the workers' S3 endpoint (this process has it in os.environ)
+        first = summary_of(run_here(args + ["--limit", "4"]))
+        assert (first["rows"], first["input_rows"], first["duplicates"]) == (4, 4, 0)
+        assert first["output"] == output
+        before = {r["id"]: r["started_at"] for r in output_rows("out/run1")}
+        assert len(before) == 4
+        manifest = json.loads(s3().open_input_stream(f"{BUCKET}/out/run1/_manifest.json").read())
+        assert manifest["settings"]["input"]["dataset"] == source
 
-    done = summary_of(run_job(args + ["--resume"], env=s3_env))
-    assert (done["rows"], done["input_rows"], done["duplicates"], done["errors"]) == (11, 11, 0, 1)
-    rows = output_rows("out/run1")
-    assert sorted(r["id"] for r in rows) == sorted([f"q{i}" for i in range(10)] + ["prompts.jsonl:line-11"])
-    assert all(r["started_at"] == before[r["id"]] for r in rows if r["id"] in before), "finished rows were redone"
-    assert {r["label"] for r in rows if r["error"] is None} == set(range(10))  # the input's type
+        done = summary_of(run_here(args + ["--resume"]))
+        assert (done["rows"], done["input_rows"], done["duplicates"], done["errors"]) == (11, 11, 0, 1)
+        rows = output_rows("out/run1")
+        assert sorted(r["id"] for r in rows) == sorted([f"q{i}" for i in range(10)] + ["prompts.jsonl:line-11"])
+        assert all(r["started_at"] == before[r["id"]] for r in rows if r["id"] in before), "finished rows were redone"
+        assert {r["label"] for r in rows if r["error"] is None} == set(range(10))  # the input's type
 
-    refused = run_job(args + ["--resume", "--max-new-tokens", "5"], env=s3_env)
+        refused = run_here(args + ["--resume", "--max-new-tokens", "5"])
     assert refused.returncode == 2 and "decoding.max_new_tokens: 4 -> 5" in refused.stderr, refused.stderr[-2000:]
     assert len(output_rows("out/run1")) == 11
 
 
-def test_a_parquet_folder_and_a_glob_on_s3(s3_env, tiny_model_dirs):
+def test_a_parquet_folder_and_a_glob_on_s3(s3_env, tiny_model_dirs, ray_cluster):
     for part in range(3):
         put_table(f"folder/part-{part}.parquet",
                   pa.table({"prompt": [f"Count to {part * 10 + i}." for i in range(4)], "part": [part] * 4}))
     put("folder/_SUCCESS", b"")  # a marker file, as Spark and Ray leave: skipped
-    whole = summary_of(run_job(job(tiny_model_dirs, f"s3://{BUCKET}/folder/", f"s3://{BUCKET}/out/folder"),
-                               env=s3_env))
+    with environment(ray_cluster, s3_env):
+        whole = summary_of(run_here(job(tiny_model_dirs, f"s3://{BUCKET}/folder/", f"s3://{BUCKET}/out/folder")))
+        glob = summary_of(run_here(job(tiny_model_dirs, f"s3://{BUCKET}/folder/part-[12].parquet",
+                                       f"s3://{BUCKET}/out/glob")))
     assert (whole["rows"], whole["input_rows"], whole["duplicates"], whole["errors"]) == (12, 12, 0, 0)
     ids = sorted(r["id"] for r in output_rows("out/folder"))
     assert ids == sorted(f"part-{p}.parquet:row-{i:07d}" for p in range(3) for i in range(4))
-
-    glob = summary_of(run_job(job(tiny_model_dirs, f"s3://{BUCKET}/folder/part-[12].parquet",
-                                  f"s3://{BUCKET}/out/glob"), env=s3_env))
     assert (glob["rows"], glob["input_rows"], glob["duplicates"]) == (8, 8, 0)
     assert {r["part"] for r in output_rows("out/glob")} == {1, 2}

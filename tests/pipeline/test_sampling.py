@@ -16,8 +16,7 @@ from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.sampling import (SAMPLE_INDEX, SAMPLING, check_row, expand, output_keys, parse_overrides,
                                           row_decoding, sample_key)
 
-from helpers import raytools
-from helpers.jobs import job_args, read_output, run_job
+from helpers.jobs import environment, job_args, read_output, run_here
 
 
 # ---- the checks ------------------------------------------------------------------------------------
@@ -141,12 +140,6 @@ def test_an_engine_decodes_a_row_with_its_own_settings_and_each_sample_with_its_
 
 # ---- the Ray job -----------------------------------------------------------------------------------
 
-@pytest.fixture
-def own_ray(monkeypatch):
-    with raytools.own_ray_env(monkeypatch, "rs-") as temp_dir:
-        yield temp_dir
-
-
 PER_ROW = {"q0": {"n": 3}, "q1": {"temperature": "hot"}, "q2": {"max_tokens": 3}, "q3": {"presence_penalty": 1},
            "q4": {"temperature": 0}}
 
@@ -160,13 +153,14 @@ def write_rows(path: Path) -> Path:
 
 @pytest.mark.slow
 def test_the_job_writes_n_samples_per_row_with_per_row_settings_once_under_a_fault_and_on_resume(
-        tiny_model_dirs, tmp_path, own_ray):
+        tiny_model_dirs, tmp_path, ray_cluster):
     data, out = write_rows(tmp_path / "prompts.jsonl"), tmp_path / "out"
     marker = tmp_path / "crashed"
     args = job_args(tiny_model_dirs, data, out, "--policy", "hydra", "--temperature", "0.8", "--n", "2",
                     "--rows-per-file", "1")
     env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q5#1", "ENTMTP_FAULT_MARKER": str(marker)}
-    proc = run_job(args, env=env)
+    with environment(ray_cluster, env):
+        proc = run_here(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -188,7 +182,7 @@ def test_the_job_writes_n_samples_per_row_with_per_row_settings_once_under_a_fau
         row = pq.read_table(file).to_pylist()[0]
         if (row["id"], row["sample_index"]) in lost:
             file.unlink()
-    proc = run_job(args + ["--resume"])
+    proc = run_here(args + ["--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = {(r["id"], r["sample_index"]): r for r in read_output(out)}
     assert sorted(again) == sorted(rows) and json.loads(proc.stdout.strip().splitlines()[-1])["duplicates"] == 0

@@ -1,7 +1,7 @@
 """Issue 19: a Vicuna-shaped model (no GQA, rope theta 1e4, RMS eps 1e-6, 2048 positions, a
 sentencepiece-only tokenizer, the Vicuna chat format) with Hydra++ heads in the published layout
-(config.json + torch.save'd hydra_lm_head.pt) through jobs/generate.py on local Ray: the tree
-policy's greedy output equals AR's token for token, and AR's equals transformers' greedy generate.
+(config.json + torch.save'd hydra_lm_head.pt) through jobs/generate.py (run in this process, on the session's
+Ray): the tree policy's greedy output equals AR's token for token, and AR's equals transformers' greedy generate.
 
 Random heads on a random base accept almost nothing, so a wrong accepted path (KV cache kept, the
 drafter advanced, tokens emitted) would go unseen. Here the base model mostly, but not always,
@@ -23,9 +23,8 @@ from entmtp_ray.decode.tree import load_topology
 from entmtp_ray.model.heads import load_heads
 from entmtp_ray.model.loading import VICUNA_SYSTEM, load_model
 
-from helpers import raytools
 from helpers.checkpoints import make_sentencepiece_vicuna, write_checkpoint
-from helpers.jobs import JOB, read_output, run_job
+from helpers.jobs import read_output, run_here
 
 pytestmark = pytest.mark.slow
 
@@ -106,19 +105,12 @@ def published_successor_heads(directory, model_dir, embed: torch.Tensor):
                             base_model_name_or_path=str(model_dir))
 
 
-@pytest.fixture(autouse=True)
-def own_ray(monkeypatch):
-    """This test's Ray directory for the jobs' local Ray; what is left of it afterwards is stopped."""
-    with raytools.own_ray_env(monkeypatch, "rv-") as temp_dir:
-        yield temp_dir
-
-
 def generate(tmp_path, model_dir, policy: str, *extra: str) -> dict[str, dict]:
     """One fp32 job over PROMPTS; its rows by id."""
     output = tmp_path / f"out-{policy}"
-    proc = run_job([*JOB, "--dataset", str(tmp_path / "prompts.jsonl"), "--id-column", "id", "--model",
-                    str(model_dir), "--policy", policy, "--dtype", "fp32", "--device", "cpu",
-                    "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output), *extra])
+    proc = run_here(["--dataset", str(tmp_path / "prompts.jsonl"), "--id-column", "id", "--model",
+                     str(model_dir), "--policy", policy, "--dtype", "fp32", "--device", "cpu",
+                     "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(output), *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["rows"] == len(PROMPTS) and summary["errors"] == 0 and summary["duplicates"] == 0
@@ -130,7 +122,7 @@ def generate(tmp_path, model_dir, policy: str, *extra: str) -> dict[str, dict]:
     return rows
 
 
-def test_vicuna_with_published_heads_tree_output_equals_ar(tmp_path):
+def test_vicuna_with_published_heads_tree_output_equals_ar(tmp_path, ray_cluster):
     model_dir, embed = make_successor_vicuna(tmp_path)
     heads_dir = published_successor_heads(tmp_path / "hydra-heads", model_dir, embed)
     assert sorted(p.name for p in heads_dir.iterdir()) == ["config.json", "hydra_lm_head.pt"]

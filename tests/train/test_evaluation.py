@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pyarrow as pa
 import pytest
 
@@ -12,6 +9,7 @@ from entmtp_ray.config import ModelConfig
 from entmtp_ray.train.evaluation import eval_heads, format_report
 from entmtp_ray.model.loading import load_model
 from entmtp_ray.train.trainer import distill, distilled_ids, generated_conversations
+from helpers.jobs import run_main
 
 
 def test_eval_heads_report_pools_steps_per_task_and_temperature(tiny_model_dirs):
@@ -36,8 +34,9 @@ def test_eval_heads_report_pools_steps_per_task_and_temperature(tiny_model_dirs)
 
 @pytest.mark.slow
 def test_eval_heads_cli_refuses_unknown_task():
-    done = subprocess.run([sys.executable, "-m", "entmtp_ray", "eval-heads", "--tasks", "mmlu"],
-                          capture_output=True, text=True, timeout=120)
+    from entmtp_ray.cli import main
+
+    done = run_main(main, ["eval-heads", "--tasks", "mmlu"])
     assert done.returncode == 2 and "unknown task(s) ['mmlu']" in done.stderr
 
 
