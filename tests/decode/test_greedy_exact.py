@@ -204,16 +204,39 @@ def test_bf16_ar_is_bf16_greedy_and_equals_generate(loaded_bf16, bf16_ar_outputs
 
 
 def test_bf16_trees_are_bf16_greedy(loaded_bf16, bf16_ar_outputs, tmp_path):
-    """Hydra's tree with the shipped heads and a random tree fed oracle drafts (long accepted paths),
-    on the bf16 fast path, emit only greedy tokens. Once a tree path breaks a tie differently from a
-    one-token step, the continuation differs from `generate`'s: every token is checked anyway."""
+    """Hydra's and Medusa's trees with the shipped heads, a bank's switching policy, and a random tree fed oracle
+    drafts (long accepted paths), on the bf16 fast path, emit only greedy tokens; and, where the fixed-order
+    attention is built (design §7: every tree row computed as its one-token step would be), exactly our bf16 AR's
+    tokens, with no tie rule."""
+    from entmtp_ray.config import ModelConfig
+    from entmtp_ray.model.attention import fixed_order_ready
+    from entmtp_ray.pipeline.assemble import resolve
+
     loaded = loaded_bf16
     heads = load_model_heads(loaded, None)
+    vocab = draft_vocab_for(loaded.name, None, None)
     oracle = tmp_path / "random.json"
     oracle.write_text(json.dumps(random_tree(11, 16, 4).to_json()))
-    assert_greedy(loaded, *bf16_ar_outputs(2), "bf16 ar prompt 2")  # the oracle's truth is greedy itself
-    runs = {"hydra": (lambda k, ids: HydraDrafter(heads, loaded.model), [1]),
-            str(oracle): (lambda k, ids: random_oracle(loaded, ids, bf16_ar_outputs(k)[1], seed=k), [2])}
-    for tree, (drafter_for, prompts) in runs.items():
-        taus = run_tree(loaded, tree, drafter_for, prompts, BF16_NEW)
-        assert sum(taus) / len(taus) > 1.5, f"{tree}: drafts should be accepted often in bf16, got tau {taus}"
+    for k in (1, 2):
+        assert_greedy(loaded, *bf16_ar_outputs(k), f"bf16 ar prompt {k}")  # the oracle's truth is greedy itself
+
+    def shipped(k, ids):
+        return HydraDrafter(heads, loaded.model, vocab)
+
+    def truth(k, ids):
+        return random_oracle(loaded, ids, bf16_ar_outputs(k)[1], seed=k)
+
+    fixed = lambda tree: FixedTree("fixed", load_topology(tree))  # noqa: E731
+    bank = lambda name: resolve(ModelConfig(dtype="bf16", device="cpu"),  # noqa: E731
+                                DecodingConfig(policy=name, task="humaneval")).policy
+    runs = [("hydra", fixed("hydra"), shipped, 1), ("medusa", fixed("medusa"), shipped, 2),
+            ("entmtp-tau", bank("entmtp-tau"), shipped, 1), ("random", fixed(str(oracle)), truth, 2)]
+    cfg = DecodingConfig(policy="fixed", max_new_tokens=BF16_NEW)
+    exact = fixed_order_ready()
+    for name, policy, drafter_for, k in runs:
+        ids, ar = bf16_ar_outputs(k)
+        result = SpecDecoder(loaded, drafter_for(k, ids), policy).generate(ids, cfg)
+        assert_greedy(loaded, ids, result.output_token_ids, f"bf16 {name} prompt {k}")
+        assert result.mean_accepted_length > 1.5, f"{name}: drafts should be accepted often in bf16"
+        if exact:
+            assert result.output_token_ids == ar, f"bf16 {name} prompt {k}: not our AR's tokens"

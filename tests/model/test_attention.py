@@ -1,6 +1,7 @@
 """The fixed-order attention (model/attention.py): each row a function of its own keys alone, bit for bit, whatever
 the call's other rows and masked keys; close to SDPA; and with it a tree's rows are the one-token steps' bit for bit
-in bf16 on the embedded model. Skipped, with the reason, where the kernel cannot be built (no C++ compiler)."""
+in bf16 on the embedded model (greedy through every tree equal to AR's tokens: decode/test_greedy_exact.py).
+Skipped, with the reason, where the kernel cannot be built (no C++ compiler)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_the_forward_takes_it_for_bf16_and_fp16_on_cpu_without_autograd_only():
 @pytest.mark.parametrize("prompt", ["Write a function that sums the digits of a number.",
                                     "Continue: the band signed its first professional conductor, Mr William Rimmer"])
 def test_a_trees_rows_are_the_one_token_steps_bit_for_bit_in_bf16(prompt):
-    """jobs/first_parting.py on the embedded model: every chain row of a 16-node tree (a prefix of Hydra's, within
+    """tools/first_parting.py on the embedded model: every chain row of a 16-node tree (a prefix of Hydra's, within
     the 32 rows oneDNN's packed products round alike) equals the one-token step at its position, every operation,
     its kept k/v and its logits."""
     from entmtp_ray.decode.tree import load_topology, make_topology
@@ -123,28 +124,6 @@ def test_random_trees_rows_are_the_one_token_steps_bit_for_bit_on_random_prompts
         prompt = " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
         result = summary(find_partings(loaded, loaded.encode_prompt(prompt), tree, 3))
         assert result["rows_bitwise"] == result["rows"] > 0, (case, tree.paths, prompt, result)
-
-
-@pytest.mark.slow
-def test_greedy_through_every_tree_is_ar_token_for_token_in_bf16():
-    """No tie rule: Hydra's and Medusa's trees and a bank's policy give AR's bf16 tokens exactly."""
-    from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.decode.loop import SpecDecoder
-    from entmtp_ray.pipeline.assemble import load_stack, resolve
-
-    model_cfg = ModelConfig(dtype="bf16", device="cpu")
-    stack = load_stack(model_cfg, with_heads=True)
-    prompts = [stack.loaded.encode_prompt(p) for p in ("List three prime numbers and explain why.",
-                                                         "def fizzbuzz(n):")]
-    # AR on both prompts; each tree on one of them, so both prompts meet a drafting tree (bf16 is emulated: slow)
-    runs = {"ar": (0, 1), "hydra": (0,), "medusa": (1,), "entmtp-tau": (0,)}
-    outputs = {}
-    for name, which in runs.items():
-        cfg = DecodingConfig(policy=name, task="humaneval", max_new_tokens=32)
-        decoder = SpecDecoder(stack.loaded, stack.drafter if name != "ar" else None, resolve(model_cfg, cfg).policy)
-        outputs[name] = {k: decoder.generate(prompts[k], cfg).output_token_ids for k in which}
-    assert all(len(out) == 32 for out in outputs["ar"].values()), outputs["ar"]
-    assert all(out == outputs["ar"][k] for name in outputs for k, out in outputs[name].items()), outputs
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path):
