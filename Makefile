@@ -28,14 +28,14 @@ demo: $(STAMP)
 		--max-actors 2 --output $(DEMO_OUT)
 	$(PY) jobs/show.py $(DEMO_OUT)
 
-# two tests at a time (pytest-xdist): most of the suite's time is jobs starting Ray and actors, which overlap
-# well on 2 cores (48 minutes against about 75 one at a time, measured here)
+# two tests at a time (pytest-xdist), each with its share of the cores (tests/conftest.py) and one Ray per worker:
+# under 20 minutes of pytest on a 2-core AVX2-only EPYC, the slowest host class (67 before issue 50)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
-# the development loop: every test not marked slow (no Ray cluster or subprocess job); a few minutes
+# the development loop: every test not marked slow (no Ray cluster or subprocess job); under 3 minutes
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 # mutants of the algorithm modules against the fast loop; report in runs/mutation/report.md
 mutation: $(STAMP)
