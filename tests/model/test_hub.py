@@ -35,11 +35,13 @@ def cache_repo(cache: Path, repo_id: str, source: Path, commit: str = COMMIT) ->
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
-    """An empty hub cache of this test's own (huggingface_hub reads HF_HUB_CACHE when it is imported; the
-    module attribute is what each download reads)."""
+    """An empty hub cache of this test's own, offline (huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE when
+    it is imported, which in tools/mutate.py's runner is before conftest.py sets the environment; the module
+    attributes are what each download reads)."""
     cache = tmp_path / "hub"
     cache.mkdir()
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return cache
 
 
