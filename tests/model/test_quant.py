@@ -248,7 +248,7 @@ def test_device_auto_is_checked_again_once_placement_puts_the_actors_on_a_gpu(mo
 # --- the real embedded model ---
 
 POLICIES = ["ar", "hydra", "entmtp-star", "entmtp-ladder", "entmtp-tau"]
-QUANT_NEW = 32  # a few dozen tokens: several multi-token verify steps per policy, at emulated bf16's cost
+QUANT_NEW = 24  # two dozen tokens: several multi-token verify steps per policy, at emulated bf16's cost
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")
 

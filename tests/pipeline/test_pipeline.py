@@ -26,7 +26,7 @@ import pytest
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
 from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
 from helpers import raytools
-from helpers.jobs import environment, job_args, read_output, readable_rows, run_here, run_job, write_prompts
+from helpers.jobs import environment, job_args, read_output, readable_rows, run_here, write_prompts
 
 
 
@@ -132,7 +132,9 @@ def test_concurrent_requests_write_the_rows_of_one_at_a_time_once_each_through_a
 
 
 @pytest.mark.slow
-def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own_ray):
+def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own_ray, ray_cluster):
+    """A job killed with its local Ray (a subprocess: the driver's death is what is tested) part-way; --resume,
+    run here on the shared Ray, writes only the rows it had not finished."""
     data = write_prompts(tmp_path / "prompts.jsonl", 16)
     out = tmp_path / "out"
     args = job_args(tiny_model_dirs, data, out, "--policy", "ar", "--max-new-tokens", "40", "--rows-per-file", "1")
@@ -149,7 +151,7 @@ def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own
     first = {r["id"]: r["started_at"] for r in readable_rows(out)}
     assert 3 <= len(first) < 16, f"the job should have been stopped part-way, wrote {len(first)} rows"
 
-    proc = run_job(args + ["--resume"])
+    proc = run_here(args + ["--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_output(out)
     assert sorted(r["id"] for r in rows) == sorted(f"q{i}" for i in range(16))
