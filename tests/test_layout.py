@@ -1,5 +1,6 @@
 """The layout holds: imports run one way (config <- model <- decode <- calibrate <- pipeline <- train,
-bench <- cli, jobs <- the package's facade), no import circle, config is a leaf that loads no framework, two modules import ray (the processor and the job's data plane)."""
+bench <- cli, jobs <- the package's facade), no import circle, config is a leaf that loads no framework, three modules import ray (the processor, the job's data plane
+and the light module its tasks run, which loads no torch)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,17 @@ def test_config_is_a_leaf_that_loads_no_framework_and_only_the_ray_stages_import
     assert imports.graph(ROOT / "entmtp_ray")["entmtp_ray.config"] == set()
     users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "entmtp_ray").rglob("*.py")
                    if any(line.strip().startswith(("import ray", "from ray")) for line in p.read_text().splitlines()))
-    assert users == ["entmtp_ray/pipeline/dataplane.py", "entmtp_ray/pipeline/processor.py"]
+    assert users == ["entmtp_ray/pipeline/dataplane.py", "entmtp_ray/pipeline/processor.py",
+                     "entmtp_ray/pipeline/streams.py"]
+
+
+def test_the_jobs_read_tasks_and_small_actors_load_no_torch():
+    """Ray imports a task's module in its worker: the read tasks, scans, tallies and the start-up log must not pay
+    for torch and transformers while the first actor loads them on the same cores (issue 50)."""
+    probe = ("import sys, entmtp_ray.pipeline.streams; "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_a_read_beside_the_checkout_is_refused_and_recorded(tmp_path):

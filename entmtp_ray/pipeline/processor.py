@@ -131,20 +131,6 @@ def check_assigned_gpu() -> None:
                            f"Ray, but {problem}")
 
 
-@ray.remote(num_cpus=0)
-class StartupLog:
-    """The start-up timelines the job's actors report (actor id -> unix seconds by phase), for its summary."""
-
-    def __init__(self):
-        self.actors: dict[str, dict[str, float]] = {}
-
-    def add(self, actor_id: str, marks: dict[str, float]) -> None:
-        self.actors.setdefault(actor_id, {}).update(marks)
-
-    def get(self) -> dict[str, dict[str, float]]:
-        return self.actors
-
-
 def _maybe_fault(row_id: str | None, sample_index: int = 0) -> None:
     target, marker = os.environ.get(FAULT_ROW_ENV), os.environ.get(FAULT_MARKER_ENV)
     if target and marker and target in (row_id, sample_key(row_id, sample_index)) and not os.path.exists(marker):

@@ -28,14 +28,14 @@ def test_ray_job_submit_humaneval(tmp_path):
         submit = subprocess.run(
             [str(raytools.BIN / "ray"), "job", "submit", f"--address=http://127.0.0.1:{head.dashboard_port}",
              "--working-dir", str(ROOT), "--",
-             "python", "jobs/generate.py", "--task", "humaneval", "--limit", "4",
-             "--max-new-tokens", "16", "--address", "auto", "--output", str(output)],
+             "python", "jobs/generate.py", "--task", "humaneval", "--limit", "2",
+             "--max-new-tokens", "8", "--address", "auto", "--output", str(output)],
             capture_output=True, text=True, env=head.env, timeout=900, cwd=ROOT)
         assert submit.returncode == 0, (submit.stdout + submit.stderr)[-4000:]
         assert "succeeded" in submit.stdout
         summary = next(json.loads(line) for line in reversed(submit.stdout.splitlines()) if line.startswith('{"rows"'))
-        assert summary["rows"] == 4 and summary["errors"] == 0 and summary["duplicates"] == 0
+        assert summary["rows"] == 2 and summary["errors"] == 0 and summary["duplicates"] == 0
     rows = pads.dataset(str(output), format="parquet").to_table().to_pylist()
-    assert len(rows) == 4 and len({r["id"] for r in rows}) == 4
+    assert len(rows) == 2 and len({r["id"] for r in rows}) == 2
     assert all(r["id"].startswith("HumanEval/") and r["error"] is None and r["num_output_tokens"] > 0 for r in rows)
     assert all(r["model"] == "smollm2-135m-instruct" and r["canonical_solution"] for r in rows)
