@@ -27,6 +27,7 @@ PRELOAD = ("numpy", "torch", "pyarrow", "pydantic", "safetensors.torch", "pytest
            "transformers.models.llama.modeling_llama")  # imported once by the parent; never entmtp_ray
 PYTEST_FLAGS = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
 PRAGMA = "# pragma: no mutate"
+TEST_SLACK_S = 10.0  # seconds a test may run past 3x its baseline time under a mutant
 CMP = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
        ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.Is: ("is", "is not"),
        ast.IsNot: ("is not", "is"), ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")}
@@ -263,7 +264,13 @@ def select_tests(m: Mutant, covered: dict, seconds: dict) -> list[str]:
     return sorted(tests - {""}, key=lambda n: (seconds.get(n, 0.0), n))
 
 
-def _mutant_child(root: Path, m: Mutant, source: bytes, tests: list[str], threads: int | None) -> int:
+def test_deadline(baseline_s: float, slack_s: float) -> float:
+    """Seconds one test may run under a mutant before the mutant counts as timed out (a hang)."""
+    return 3 * baseline_s + slack_s
+
+
+def _mutant_child(root: Path, m: Mutant, source: bytes, tests: list[str], threads: int | None,
+                  seconds: dict, slack_s: float) -> int:
     name = module_name(m.rel)
     top = name.split(".")[0]
     for mod in [k for k in sys.modules if k == top or k.startswith(top + ".")]:
@@ -272,12 +279,23 @@ def _mutant_child(root: Path, m: Mutant, source: bytes, tests: list[str], thread
     if threads and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
     import pytest
-    return pytest.main([*tests, "-x", *PYTEST_FLAGS])
+
+    class Deadline:  # SIGALRM's default action ends the child even inside a C call; the parent reads it
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_protocol(self, item, nextitem):
+            signal.setitimer(signal.ITIMER_REAL, test_deadline(seconds.get(item.nodeid, 0.0), slack_s))
+            yield
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    return pytest.main([*tests, "-x", *PYTEST_FLAGS], plugins=[Deadline()])
 
 
 def run(root, modules=DEFAULT_MODULES, test_args=None, jobs=1, out_dir="runs/mutation", rerun_survivors=False,
-        limit=None, pattern=None, preload=PRELOAD, log=print) -> dict:
+        limit=None, pattern=None, preload=PRELOAD, log=print, slack_s=TEST_SLACK_S) -> dict:
     """Decide the mutants of `modules` (paths relative to `root`) not yet decided for the same source.
+    A mutant times out when one of its tests runs over test_deadline(its baseline seconds, slack_s),
+    or all of them together over three times their baseline plus 20 s (collection hangs included).
     Returns {"results": the store, "report": markdown, "rate": overall kill %, "ran": mutants tried}."""
     root, test_args = Path(root).resolve(), shlex.split(DEFAULT_TESTS) if test_args is None else list(test_args)
     out, store_path = root / out_dir, root / out_dir / "results.json"
@@ -318,7 +336,7 @@ def run(root, modules=DEFAULT_MODULES, test_args=None, jobs=1, out_dir="runs/mut
         covered, seconds = baseline(root, list(modules), test_args, out)
         log(f"baseline passed: {len(seconds)} tests in {time.monotonic() - t0:.0f}s; {len(todo)} mutants to run")
         threads = max(1, len(os.sched_getaffinity(0)) // jobs) if jobs > 1 else None
-        queue, running = list(todo), {}  # running: pid -> (mutant, tests, started, timeout)
+        queue, running, log_paths = list(todo), {}, {}  # running: pid -> (mutant, tests, started, timeout)
         try:
             while queue or running:
                 while queue and len(running) < jobs:
@@ -328,24 +346,28 @@ def run(root, modules=DEFAULT_MODULES, test_args=None, jobs=1, out_dir="runs/mut
                         record(m, tests, time.monotonic(), "not covered", "no test executes this line")
                         continue
                     name = re.sub(r"[^\w.-]+", "_", m.id) + "-" + hashlib.sha1(m.id.encode()).hexdigest()[:6]
-                    pid = _fork(root, out / "logs" / f"{name}.log",
-                                lambda: _mutant_child(root, m, sources[m.rel], tests, threads))
+                    log_paths[m.id] = out / "logs" / f"{name}.log"
+                    pid = _fork(root, log_paths[m.id],
+                                lambda: _mutant_child(root, m, sources[m.rel], tests, threads, seconds, slack_s))
                     running[pid] = (m, tests, time.monotonic(), 3 * sum(seconds.get(t, 0) for t in tests) + 20)
                 for pid, (m, tests, started, timeout) in list(running.items()):
                     finished, status = os.waitpid(pid, os.WNOHANG)
                     if not finished and time.monotonic() - started <= timeout:
                         continue
                     del running[pid]
+                    log_path = log_paths.pop(m.id)
                     if not finished:
                         _kill(pid)
                         record(m, tests, started, "timeout", f"over {timeout:.0f}s")
+                    elif os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
+                        record(m, tests, started, "timeout", f"a test ran over 3x its baseline + {slack_s:g}s")
                     elif os.WIFSIGNALED(status):
                         record(m, tests, started, "killed", f"crashed (signal {os.WTERMSIG(status)})")
                     else:
                         code = os.WEXITSTATUS(status)
-                        # 2: a selected test module failed to import the mutant (collection error),
-                        # which a real run reports as a failure too; 3-5 are the tool's own trouble
                         verdict = {0: "survived", 1: "killed", 2: "killed"}.get(code, "error")
+                        if code == 4 and broke_collection(log_path, m):
+                            verdict = "killed"
                         record(m, tests, started, verdict, f"pytest exit {code}")
                 time.sleep(0.02)
         finally:
@@ -355,6 +377,14 @@ def run(root, modules=DEFAULT_MODULES, test_args=None, jobs=1, out_dir="runs/mut
     (out / "report.md").write_text(report)
     log(report)
     return {"results": store, "report": report, "rate": rate, "ran": len(todo)}
+
+
+def broke_collection(log_path: Path, m: Mutant) -> bool:
+    """Whether pytest's usage error (exit 4) came from the mutant: collection (a conftest or a test
+    module importing it) raised in the mutated file. The baseline collected the same tests, so the
+    mutant is what a real run would trip over; any other exit 4 stays the tool's own trouble."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return Path(m.rel).as_posix() in text.replace("\\", "/")  # a traceback line through the mutated file
 
 
 def render(store: dict, modules: list[str]) -> tuple[str, float]:

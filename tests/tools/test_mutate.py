@@ -146,3 +146,37 @@ def test_forked_run_kills_and_keeps_files(mutate, tmp_path):
     assert mutate.run(tmp_path, **kwargs)["ran"] == 0
     again = mutate.run(tmp_path, **kwargs, rerun_survivors=True)
     assert again["ran"] == 2 and target.read_bytes() == before
+
+
+HANG_MODULE = '''\
+SIZE = 4
+assert SIZE == 4
+
+
+def countdown(n):
+    while n > 0:
+        n -= 1
+    return n
+'''
+
+
+def test_hangs_time_out_and_broken_imports_count_as_killed(mutate, tmp_path):
+    pytest.importorskip("coverage")
+    (tmp_path / "tinypkg_hang").mkdir()
+    (tmp_path / "tinypkg_hang" / "__init__.py").write_text("")
+    (tmp_path / "tinypkg_hang" / "hang.py").write_text(HANG_MODULE)
+    (tmp_path / "tests_hang").mkdir()
+    # a conftest importing the module: a mutant raising at import fails collection (pytest exit 4)
+    (tmp_path / "tests_hang" / "conftest.py").write_text("from tinypkg_hang.hang import countdown  # noqa: F401\n")
+    (tmp_path / "tests_hang" / "test_hang.py").write_text(
+        "from tinypkg_hang.hang import countdown\n\n\ndef test_counts_down():\n    assert countdown(3) == 0\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    result = mutate.run(tmp_path, modules=["tinypkg_hang/hang.py"], test_args=["tests_hang"], out_dir="out",
+                        pattern=r":(augassign|cmp):", preload=(), log=print, slack_s=1.0)
+    recs = result["results"]["modules"]["tinypkg_hang/hang.py"]["mutants"]
+    status = {mid.split(":", 1)[1]: (r["status"], r["detail"]) for mid, r in recs.items()}
+    assert status["2:12:cmp:!="] == ("killed", "pytest exit 4")       # the conftest's import raised
+    assert status["6:12:cmp:>="][0] == "killed"                       # countdown(3) == -1
+    assert status["7:10:augassign:+="][0] == "timeout"                 # n grows for ever: one test's deadline
+    assert status["7:10:augassign:+="][1].startswith("a test ran over")
+    assert recs["tinypkg_hang/hang.py:7:10:augassign:+="]["seconds"] < 15
