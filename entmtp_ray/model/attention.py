@@ -16,38 +16,27 @@ threads (OpenMP) by blocks that never split one row's ordered sums. Lanes never 
 row's arithmetic is the same sequence of one-rounding operations, with no contraction into FMA
 (-ffp-contract=off), so neither the thread count nor the row count changes a bit.
 
-The kernel is C++ built on first use by torch's extension loader (a C++ compiler, with OpenMP for torch's threads
-and else on one thread, and ninja; about 40 s, cached per machine in torch's extensions folder,
-TORCH_EXTENSIONS_DIR when set; a build lock a killed build left is removed once stale). Where it cannot be built,
-`fixed_order_ready()` is False, a warning says why once, and the forward keeps SDPA (greedy output then equals AR's up to float ties, as before); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA by
+The kernel is C++ built once per machine (native.py: by `make setup`, else on first use; about 40 s). Where it
+cannot be built, `fixed_order_ready()` is False, a warning says why once, and the forward keeps SDPA (greedy output
+then equals AR's up to float ties, as before); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA by
 choice (a host where SDPA is faster and ties are acceptable).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from entmtp_ray.model import native
 
-# fp32 stays on SDPA: its products are not row-invariant on CPU anyway (MKL blocks by row count, §7), and fp32
-# ties are rare enough that the tie rule covers them
-DTYPES = (torch.bfloat16, torch.float16)
-_NAME = "entmtp_fixed_order_attention_v9"  # a new kernel text needs a new name: the loader caches builds by name
-# torch's loader holds a `lock` file in the build folder while it compiles and waits, with no time limit, for any
-# lock it finds; a process killed mid-build (a Ray actor at the end of its job) leaves one behind, and every later
-# process on the machine then hung at its first bf16 forward. A build takes about 40 s: a lock older than this was
-# left by a dead build and is removed
-STALE_BUILD_LOCK_S = 600.0
+# fp32 too: with the row products (products.py) its products are row-invariant on CPU, so its trees are bitwise too
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -243,81 +232,19 @@ torch::Tensor fixed_order_attention(torch::Tensor q, torch::Tensor k, torch::Ten
 """
 
 _DISABLED = os.environ.get("ENTMTP_FIXED_ORDER_ATTENTION", "1") == "0"  # read once: uses_fixed_order runs per layer
-_lock = threading.Lock()
-_kernel = None  # the built module; False once a build failed
 _off = threading.local()  # sdpa_only() inside this thread
 _NO_MASK = torch.empty(0, dtype=torch.bool)
-
-
-# the builds tried in turn: with OpenMP (the passes split across torch's threads), else without (one thread, the
-# same bits: a compiler without OpenMP, as Apple's clang without libomp)
-BUILDS = (("", ["-fopenmp"]), ("_serial", []))
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
-
-
-def _build():
-    global _kernel
-    with _lock:
-        if _kernel is None:
-            _kernel = False
-            problems = []
-            for suffix, openmp in BUILDS:
-                try:
-                    _kernel = _load(suffix, openmp)
-                    break
-                except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: SDPA serves instead
-                    problems.append(f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}")
-            if _kernel is False:
-                log.warning("fixed-order attention could not be built (%s); bf16/fp16 on CPU keeps SDPA, whose greedy "
-                            "output equals AR's up to float ties. Install a C++ compiler and ninja for bit-for-bit "
-                            "output", "; ".join(problems))
-            elif problems:
-                log.warning("fixed-order attention was built without OpenMP (%s): it runs on one thread, the same bits "
-                            "more slowly; a compiler with OpenMP (e.g. libomp for clang) gives it torch's threads",
-                            problems[0])
-    return _kernel
-
-
-def _load(suffix: str, openmp: list[str]):
-    from torch.utils.cpp_extension import load_inline
-
-    folder = build_folder(suffix)
-    folder.mkdir(parents=True, exist_ok=True)
-    wait_for_build_lock(folder / "lock", STALE_BUILD_LOCK_S)
-    return load_inline(_NAME + suffix, cpp_sources=[_SOURCE], functions=["fixed_order_attention"],
-                       extra_cflags=_FLAGS + openmp, extra_ldflags=openmp, build_directory=str(folder))
-
-
-def build_folder(suffix: str = "") -> Path:
-    """Where the kernel is built and cached: torch's extensions folder (TORCH_EXTENSIONS_DIR when set, else
-    ~/.cache/torch_extensions), one folder per kernel, build and torch version, shared by every process of the
-    machine."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"{_NAME}{suffix}-torch{torch.__version__}"
-
-
-def wait_for_build_lock(lock: Path, stale_s: float, poll_s: float = 1.0) -> None:
-    """Wait while another process's build holds `lock`; remove it, with a warning, once it is older than `stale_s`
-    (its build died), so that torch's loader, which would wait on it forever, builds instead."""
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > stale_s:
-            log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
-            lock.unlink(missing_ok=True)
-            return
-        time.sleep(poll_s)
+_kernel = None  # the built module, once fixed_order_ready() found it
 
 
 def fixed_order_ready() -> bool:
     """Whether the kernel is built (building it on the first call); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA."""
+    global _kernel
     if _DISABLED:
         return False
-    return bool(_kernel if _kernel is not None else _build())
+    if _kernel is None:
+        _kernel = native.kernel()
+    return _kernel is not None
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from entmtp_ray.model import products
 from entmtp_ray.model.quant import QuantWeight, quantize, refused, unsupported
 
 # A one-token step on row-invariant products (packed oneDNN bf16, or quantized weights) runs its attention as
@@ -65,34 +66,41 @@ class Projection:
     # one-row products through ATen's native bf16 GEMV: faster, but rounding unlike multi-row products,
     # so for drafting only, whose rounding no output depends on (§8, the mkldnn toggle)
     draft_gemv: bool = False
-    # the weight in int8/int4 (--quantize): every product without autograd takes it, on any device (§8)
+    # the weight in int8/int4 (--quantize) for ATen's kernels: every product without autograd takes it (§8)
     quantized: QuantWeight | None = None
+    # the weight for the row products (products.py): on CPU, every product without autograd takes it (§8)
+    native: products.NativeWeight | None = None
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str = "none") -> Projection:
-        packed, quantized = None, None
+        packed, quantized, native = None, None, None
         with torch.no_grad():
-            if scheme != "none":
+            if _takes_native(weight, scheme):
+                native = products.NativeWeight.of(weight, scheme)
+            elif scheme != "none":
                 quantized = quantize(weight, scheme)
             elif weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packing():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        return cls(weight, bias, packed, weight_key(weight), quantized=quantized)
+        return cls(weight, bias, packed, weight_key(weight), quantized=quantized, native=native)
 
     @property
     def scheme(self) -> str:
-        return self.quantized.scheme if self.quantized is not None else "none"
+        held = self.native or self.quantized
+        return held.scheme if held is not None else "none"
 
     @property
     def row_invariant(self) -> bool:
-        """Whether a row rounds the same at every row count, one row included (packed and quantized products,
-        §7), so that a one-token step may run its products on the token alone."""
-        return self.packed is not None or self.quantized is not None
+        """Whether a row rounds the same at every row count, one row included (packed, native and quantized
+        products, §7), so that a one-token step may run its products on the token alone."""
+        return self.packed is not None or self.quantized is not None or self.native is not None
 
     def for_drafting(self) -> Projection:
         """This projection with one-row products through the faster GEMV (`draft_gemv`)."""
         return dataclasses.replace(self, draft_gemv=self.packed is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and not torch.is_grad_enabled():
+            return self.native(x, self.bias)
         if self.quantized is not None and not torch.is_grad_enabled():
             out = self.quantized(x)
             return out if self.bias is None else out + self.bias
@@ -119,6 +127,14 @@ def _native_gemv(x, weight, bias):
         return F.linear(x, weight, bias)
     finally:
         torch._C._set_mkldnn_enabled(enabled)
+
+
+def _takes_native(weight: torch.Tensor, scheme: str) -> bool:
+    """Whether the row products (products.py) serve this weight: on CPU, quantized or fp32, and bf16 where oneDNN
+    cannot pack it (oneDNN's packed bf16 products are row-invariant and faster where the CPU has native bf16, §8)."""
+    if weight.dtype == torch.bfloat16 and scheme == "none" and _onednn_packing():
+        return False
+    return products.takes(weight, scheme)
 
 
 def weight_key(weight: torch.Tensor) -> tuple[int, int]:
@@ -274,12 +290,17 @@ class ModelPlan:
 
 def quantize_model(model, scheme: str) -> None:
     """Mark every decoder-layer projection for `scheme` (quant.SCHEMES) and quantize them now, once: a weight the
-    kernel cannot take is an error naming why, before any work. The lm_head stays in the model's dtype: it
-    scores every output token, and quantizing it bought nothing measurable here (§8)."""
+    kernel cannot take is an error naming why, before any work. The lm_head too where the kernel takes its shape
+    (else it stays in the model's dtype): in the embedded model it is a fifth of the weights and, left in fp32, most
+    of a quantized step's bytes (§8). A tied embedding keeps its own values (the quantized copy is the Projection's,
+    not the module's weight)."""
     for layer in model.model.layers:
         for module in layer.modules():
             if isinstance(module, torch.nn.Linear):
                 set_quantization(module, scheme)
+    head = model.lm_head.weight
+    takes_head = scheme == "none" or unsupported(*head.shape, head.device.type, head.dtype, scheme) is None
+    set_quantization(model.lm_head, scheme if takes_head else "none")
     prepare(model)
 
 
@@ -304,7 +325,8 @@ class LayerShapes:
                    config.get("head_dim") or config["hidden_size"] // heads)
 
     def projections(self) -> dict[str, tuple[int, int]]:
-        """(out, in) of each weight quantize_model quantizes in every layer, as `LayerPlan.of` builds it."""
+        """(out, in) of each weight quantize_model quantizes in every layer, as `LayerPlan.of` builds it (the lm_head
+        only where the kernel takes it, so it never refuses a model)."""
         return {"qkv": ((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden),  # fused q/k/v
                 "gate_up": (2 * self.intermediate, self.hidden),  # fused gate/up
                 "o": (self.hidden, self.heads * self.head_dim),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from entmtp_ray.model import step
 from entmtp_ray.model.attention import fixed_order_attention, uses_fixed_order
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, LayerPlan, ModelPlan, prepare
 from entmtp_ray.model.kv_cache import KVCache
@@ -188,12 +189,18 @@ def forward_hidden_batch(model, requests: list[Rows], plan: ModelPlan | None = N
     own cache. The products run once over all rows (the weights are read once for every request); each
     request attends over its own cache with its own mask, as it would alone (`decoder_layer_parts`)."""
     base, plan = model.model, plan or prepare(model)
+    if len(requests) == 1 and _probe is None and uses_fixed_order(base.embed_tokens.weight):
+        native = step.for_model(model, plan)
+        if native is not None:
+            return [_native_forward(native, base, requests[0], plan)]
     device = requests[0].tokens.device
     tokens, positions, parts, start = [], [], [], 0
     expand, compact = [], 0  # each attention row's row of the products, and how many rows those have
+    # the fixed-order attention rounds a row alike at any row count: no copies needed for it
+    copying = plan.row_invariant and not uses_fixed_order(base.embed_tokens.weight)
     for r in requests:
         t, pos, tree_mask, cache = r.tokens, r.positions, r.tree_mask, r.cache
-        copies = t.numel() == 1 and plan.row_invariant and cache.length + ONE_TOKEN_ROWS <= cache.capacity
+        copies = t.numel() == 1 and copying and cache.length + ONE_TOKEN_ROWS <= cache.capacity
         if copies:
             # copies that see only themselves: the token's attention takes the kernel a tree's rows take (its
             # products round alike at any row count, so they run on the token alone)
@@ -218,3 +225,19 @@ def forward_hidden_batch(model, requests: list[Rows], plan: ModelPlan | None = N
     x = plan.norm(x)[0]  # [M, H]
     _seen(len(plan.layers), "final_norm", x)
     return list(x.split(rows))  # [n_i, H] each
+
+
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+
+
+def _native_forward(native, base, r: Rows, plan: ModelPlan) -> torch.Tensor:
+    """`forward_hidden` of one request through the native step (step.py): the layers in one C++ call."""
+    cache, n = r.cache, r.tokens.numel()
+    if cache.length + n > cache.capacity:
+        raise RuntimeError(f"KV cache overflow: {cache.length + n} > capacity {cache.capacity}")
+    x = base.embed_tokens(r.tokens)  # [n, H]
+    cos, signed_sin = rotary_tables(base.rotary_emb, x[None], r.positions)
+    mask = attention_mask(r.tree_mask, cache.length, n, x.device, plan.layers[0].groups)
+    hidden = native.forward(x.contiguous(), cos[0].contiguous(), signed_sin[0].contiguous(), cache.k, cache.v,
+                            cache.length, _NO_MASK if mask is None else mask)
+    return plan.norm(hidden)

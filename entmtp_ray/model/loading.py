@@ -22,7 +22,7 @@ import torch
 
 from entmtp_ray.assets import shipped_heads
 from entmtp_ray.config import EMBEDDED_MODEL
-from entmtp_ray.model import hub
+from entmtp_ray.model import hub, products
 from entmtp_ray.model.heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
 from entmtp_ray.model.kernels import LayerShapes, quantization_problem, quantize_model
 from entmtp_ray.model.quant import SCHEMES
@@ -271,10 +271,11 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
                          "Llama-family models (llama, mistral) are")
     model.to(dev).eval().requires_grad_(False)
     if quantize != "none":
-        if dev.type == "cpu" and not cpu_has_native_bf16():
-            log.warning("--quantize %s on a CPU without AVX512-BF16 or AMX: ATen's weight-only kernels were "
-                        "measured 3.4x slower than fp32 at one row and 45x at 64 on such a host (docs/measurements.md, "
-                        "issue 38); drop --quantize unless the weights must be smaller", quantize)
+        if dev.type == "cpu" and not cpu_has_native_bf16() and not products.native_ready():
+            log.warning("--quantize %s on a CPU without AVX512-BF16 or AMX, and without the row products (no C++ "
+                        "compiler): ATen's weight-only kernels were measured 3.4x slower than fp32 at one row and 45x "
+                        "at 64 on such a host (docs/measurements.md, issue 38); install a C++ compiler, or drop "
+                        "--quantize unless the weights must be smaller", quantize)
         quantize_model(model, quantize)
     if chat_format == "auto":
         if "vicuna" in name.lower():

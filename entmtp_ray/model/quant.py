@@ -76,23 +76,31 @@ def refused(scheme: str, device_type: str) -> str | None:
 def quantize(weight: torch.Tensor, scheme: str) -> QuantWeight:
     """`weight` ([out, in], any float dtype) quantized for its device; the scales take the weight's dtype, which is
     the activations' dtype the kernels need."""
+    values, scales = quantized_values(weight, scheme)
+    if scheme == "int8":
+        return QuantWeight("int8", values, scales, weight.shape[0])
+    if weight.device.type == "cpu":
+        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    else:
+        data = torch.ops.aten._convert_weight_to_int4pack((values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8),
+                                                          _CUDA_INNER_K_TILES)
+    return QuantWeight("int4", data, scales, weight.shape[0], INT4_GROUP)
+
+
+def quantized_values(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight`'s values and scales in `scheme`, before any kernel's packing: int8 (values int8 [out, in], scales
+    [out]) or int4 (`quantize_int4`'s), the scales in the weight's dtype. A weight the scheme cannot take is an
+    error naming why."""
     problem = unsupported(*weight.shape, weight.device.type, weight.dtype, scheme)
     if problem:
         raise ValueError(f"--quantize {scheme}: a weight of shape {tuple(weight.shape)} cannot be quantized: {problem}")
     w = weight.detach().float()
     if scheme == "int8":
         scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
-        data = torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
-        return QuantWeight("int8", data, scales, weight.shape[0])
+        return torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8), scales
     if scheme != "int4":
         raise ValueError(f"--quantize {scheme!r}: choose one of {list(SCHEMES)}")
-    values, scales_zeros = quantize_int4(w, INT4_GROUP, weight.dtype)
-    if weight.device.type == "cpu":
-        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-    else:
-        data = torch.ops.aten._convert_weight_to_int4pack((values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8),
-                                                          _CUDA_INNER_K_TILES)
-    return QuantWeight("int4", data, scales_zeros, weight.shape[0], INT4_GROUP)
+    return quantize_int4(w, INT4_GROUP, weight.dtype)
 
 
 def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,10 +67,11 @@ def test_it_computes_what_sdpa_computes(dtype):
         assert torch.allclose(got, want, atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
-def test_the_forward_takes_it_for_bf16_and_fp16_on_cpu_without_autograd_only():
+def test_the_forward_takes_it_for_fp32_bf16_and_fp16_on_cpu_without_autograd_only():
     x = torch.zeros(2, dtype=torch.bfloat16)
-    with torch.no_grad():
-        assert uses_fixed_order(x) and uses_fixed_order(x.half()) and not uses_fixed_order(x.float())
+    with torch.no_grad():  # fp32 too: its products are row-invariant with the row products (products.py)
+        assert uses_fixed_order(x) and uses_fixed_order(x.half()) and uses_fixed_order(x.float())
+        assert not uses_fixed_order(x.to(torch.float64))
     assert not uses_fixed_order(x.requires_grad_())  # training keeps SDPA, which has a backward
 
 
@@ -131,7 +132,7 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_fo
     import threading
     import time
 
-    from entmtp_ray.model.attention import wait_for_build_lock
+    from entmtp_ray.model.native import wait_for_build_lock
 
     lock = tmp_path / "lock"
     lock.touch()
@@ -151,12 +152,33 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_fo
     assert not lock.exists() and time.monotonic() - started >= 0.25
 
 
+
+def test_a_built_kernel_loads_at_once_past_a_lock_left_behind():
+    """A process killed while torch's loader held the build folder's lock (a Ray actor at its job's end) left it
+    behind; a later process loads the built kernel without waiting on it (it waited up to STALE_BUILD_LOCK_S)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from entmtp_ray.model import native
+
+    built = native.kernel()
+    if built is None:
+        pytest.skip("no C++ compiler here: the kernel cannot be built")
+    lock = Path(built.__file__).parent / "lock"
+    lock.touch()
+    try:
+        code = "from entmtp_ray.model import native; assert native.kernel() is not None"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    finally:
+        lock.unlink(missing_ok=True)
+
 SERIAL_BUILD = """
 import hashlib, logging, sys
 import torch
-from entmtp_ray.model import attention
+from entmtp_ray.model import attention, native
 logging.basicConfig(level=logging.WARNING)
-attention.BUILDS = (("", ["-fopenmp", "-fentmtp-no-such-flag"]), ("_serial", []))  # a compiler refusing -fopenmp
+native.BUILDS = (("", ["-fopenmp", "-fentmtp-no-such-flag"]), ("_serial", []))  # a compiler refusing -fopenmp
 assert attention.fixed_order_ready()
 g = torch.Generator().manual_seed(0)
 q, k, v = [torch.randn(3, n, 64, generator=g).to(torch.bfloat16) for n in (9, 70, 70)]

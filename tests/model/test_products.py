@@ -1,0 +1,74 @@
+"""The row products (entmtp_ray/model/products.py): each kind's values against torch's own product of the same
+(dequantized) weight, and every row bitwise the same at every row count and thread count (design §7)."""
+
+import pytest
+import torch
+
+from entmtp_ray.model import products
+from entmtp_ray.model.quant import quantized_values
+
+pytestmark = pytest.mark.skipif(not products.native_ready(), reason="no C++ compiler: the row products are not built")
+
+
+def _dequantized(weight: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The weight the kernel multiplies by, in fp64: what its product should equal up to fp32 rounding."""
+    if scheme == "none":
+        return weight.double()
+    values, scales = quantized_values(weight, scheme)
+    if scheme == "int8":
+        return values.double() * scales.double()[:, None]
+    scale, zero = scales[..., 0].double().t(), scales[..., 1].double().t()  # [out, in / 32]
+    groups = values.double().reshape(weight.shape[0], -1, 32)
+    return ((groups - 8) * scale[..., None] + zero[..., None]).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("dtype,scheme", [(torch.float32, "none"), (torch.bfloat16, "none"),
+                                          (torch.float32, "int8"), (torch.float32, "int4"),
+                                          (torch.bfloat16, "int4")])
+@pytest.mark.parametrize("outputs", [80, 97])  # 97: the last block of 4 outputs filled with zero rows
+def test_each_kind_computes_x_w_transposed_and_every_row_rounds_alike_at_any_row_count(dtype, scheme, outputs):
+    if scheme == "int4" and outputs % 16:
+        pytest.skip("int4 on CPU takes out % 16 (quant.unsupported: ATen's kernel, where the row products are off)")
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(outputs, 96, generator=g) * 0.2).to(dtype)
+    bias = torch.randn(outputs, generator=g).to(dtype)
+    x = torch.randn(9, 96, generator=g).to(dtype)
+    native = products.NativeWeight.of(weight, scheme)
+    assert native.filled == (outputs % 4 != 0)
+    out = native(x, bias)
+    assert out.dtype == dtype and out.shape == (9, outputs)
+    expected = x.double() @ _dequantized(weight, scheme).t() + bias.double()
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance)
+    for rows in (1, 2, 3, 8):  # any row alone, or among others, at any thread count: the same bits
+        assert torch.equal(native(x[rows - 1:rows + 3][:rows], bias), out[rows - 1:rows + 3][:rows])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(native(x, bias), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int4_bytes_hold_a_group_as_gguf_q4_1_does():
+    values = torch.arange(64, dtype=torch.int32).remainder(16).reshape(1, 64)
+    packed = products.pack_int4(values)
+    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
+    # byte i of a group: value i in the low nibble, value i + 16 in the high one
+    assert [int(b) for b in packed[0, :2]] == [0 | 0 << 4, 1 | 1 << 4]
+    assert int(packed[0, 16]) == 0 | (16 % 16) << 4
+
+
+def test_a_projection_on_cpu_takes_the_row_products_and_training_keeps_autograd():
+    from entmtp_ray.model.kernels import Projection
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 64, generator=g, requires_grad=True)
+    projection = Projection.of(weight, None)
+    assert projection.native is not None and projection.row_invariant
+    x = torch.randn(3, 64, generator=g)
+    with torch.no_grad():
+        assert torch.allclose(projection(x), x @ weight.t(), atol=1e-5)
+    out = projection(x)  # grad enabled: torch's product, which has a backward
+    out.sum().backward()
+    assert weight.grad is not None
