@@ -333,3 +333,7 @@ def main(argv=None) -> int:
                       "per_step_ms": breakdown, "verify_ms": costs, "verify_relative": relative,
                       "dtype": args.dtype, "threads": torch.get_num_threads()}))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

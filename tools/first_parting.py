@@ -10,12 +10,15 @@ the greedy continuation (the path a perfect draft accepts; the other nodes hold 
 is compared bitwise with the one-token step at its position: the first operation whose output differs (the
 layers in order, OPERATIONS within a layer), and whether the inputs it read were equal, so that a parting
 caused by an earlier one is told from a new one. Prints a Markdown table of the partings by operation and where
-each first appeared, and ends with one JSON line.
+each first appeared. Where the native step serves the model (step.py: fp32 or quantized weights on CPU), its tree
+rows are then compared with its own one-token steps at its granularity (each layer's kept k/v, the logits). Ends
+with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -28,6 +31,7 @@ from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import ModelConfig
 from entmtp_ray.decode.tree import Topology, build_buffers, chain_topology, load_topology
 from entmtp_ray.decode.verify import DynamicVerifier, Tree
+from entmtp_ray.model import step
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, prepare
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import OPERATIONS, forward_hidden, probed
@@ -133,16 +137,22 @@ def _copy_prefix(cache: KVCache, length: int) -> KVCache:
     return copy
 
 
-def one_token_steps(verifier, cache: KVCache, plan, root: int, count: int
+def _probing(recorder: Recorder, operations: bool):
+    """Records every operation (the Python forward) or nothing (whatever step a job runs: the native one where it
+    serves, which has no operations to probe: its rows compare by their kept k/v per layer and their logits)."""
+    return probed(recorder) if operations else contextlib.nullcontext()
+
+
+def one_token_steps(verifier, cache: KVCache, plan, root: int, count: int, operations: bool = True
                     ) -> tuple[list[int], list[Trace], list[torch.Tensor]]:
     """`count` greedy one-token steps from `root` through the verifier, as a job's AR steps run: the tokens (root
-    first, count + 1), each step's trace of the token's row, and its logits [V]."""
+    first, count + 1), each step's trace of the token's row (empty without `operations`), and its logits [V]."""
     one = build_buffers(chain_topology(0), cache.k.device)
     greedy, traces, logits = [root], [], []
     for _ in range(count):
         recorder = Recorder([0])
         token = torch.tensor([greedy[-1]], device=cache.k.device)
-        with probed(recorder):
+        with _probing(recorder, operations):
             verified = verifier([Tree(cache, one, token, plan)])[0]
         cache.commit(1)
         recorder.seen[0][len(plan.layers), "lm_head"] = verified.logits[0]
@@ -152,9 +162,12 @@ def one_token_steps(verifier, cache: KVCache, plan, root: int, count: int
     return greedy, traces, logits
 
 
-def find_partings(loaded, prompt_ids: list[int], topology: Topology, steps: int) -> list[RowCheck]:
+def find_partings(loaded, prompt_ids: list[int], topology: Topology, steps: int, operations: bool = True
+                  ) -> list[RowCheck]:
     """Every chain node of the tree verified at each of the first `steps` positions of the greedy continuation,
-    against the one-token steps (the module's docstring)."""
+    against the one-token steps (the module's docstring). With `operations` the forward is the Python one, probed
+    operation by operation; without, the step a job runs (the native step where it serves: step.py), compared by
+    each layer's kept k/v and the logits only."""
     model, device, cfg = loaded.model, loaded.device, loaded.model.config
     plan, verifier = prepare(model), DynamicVerifier(model)
     chain = chain_nodes(topology)
@@ -170,14 +183,14 @@ def find_partings(loaded, prompt_ids: list[int], topology: Topology, steps: int)
         hidden = forward_hidden(model, cache, prompt, torch.arange(p, device=device), plan=plan)  # [p, H]
         cache.commit(p)
         root = int(plan.lm_head(hidden[-1]).argmax())
-        greedy, traces, logits = one_token_steps(verifier, cache, plan, root, steps + reach)
+        greedy, traces, logits = one_token_steps(verifier, cache, plan, root, steps + reach, operations)
         # 2) at each position, the tree over a copy of the cache there, its chain's rows recorded
         for position in range(steps):
             committed = p + position
             tree_cache = _copy_prefix(cache, committed)
             tokens = tree_tokens(topology, chain, greedy[position:position + reach + 1], cfg.vocab_size).to(device)
             recorder = Recorder(chain)
-            with probed(recorder):
+            with _probing(recorder, operations):
                 verified = verifier([Tree(tree_cache, buffers, tokens, plan)])[0]
             rows = []
             for d, node in enumerate(chain):
@@ -185,7 +198,7 @@ def find_partings(loaded, prompt_ids: list[int], topology: Topology, steps: int)
                 row = buffers.node_rows[node]
                 tree_logits = verified.logits[row] if row >= 0 else plan.lm_head(verified.hidden[node][None])[0]
                 recorder.seen[d][len(plan.layers), "lm_head"] = tree_logits
-                found = first_difference(traces[at], recorder.seen[d])
+                found = first_difference(traces[at], recorder.seen[d]) if operations else None
                 rows.append(RowCheck(position, d, None if found is None else _parting(*found, rows),
                                      _kv_parting(tree_cache, committed + node, cache, p + at),
                                      bool(torch.equal(tree_logits, logits[at])),
@@ -261,9 +274,20 @@ def main(argv=None) -> int:
           f"({topology.num_nodes} nodes, chain of {len(chain_nodes(topology))}), {args.steps} positions")
     print(table(checks))
     result = summary(checks)
+    if step.for_model(loaded.model, prepare(loaded.model)) is not None:
+        # the native step serves this model's single-request forwards: its rows against its own one-token steps
+        native = summary(find_partings(loaded, loaded.encode_prompt(text), topology, args.steps, operations=False))
+        print(f"native step (step.py), by each layer's kept k/v and the logits: {native['rows']} rows, "
+              f"{native['rows_kv_differ']} with k/v differing, {native['rows_logits_differ']} with logits differing")
+        result["native_step"] = {k: native[k] for k in ("rows", "rows_kv_differ", "rows_logits_differ",
+                                                        "rows_argmax_differ")}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({**result, "checks": [asdict(c) for c in checks]}, indent=1))
     print(json.dumps({**result, "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
                       "tree": topology.name, "steps": args.steps}))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

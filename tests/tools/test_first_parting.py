@@ -107,3 +107,22 @@ def test_the_job_refuses_a_tree_that_drafts_nothing(tiny_model_dirs, capsys):
     model_dir, _ = tiny_model_dirs
     assert first_parting.main(["--model", str(model_dir), "--prompt", "hi", "--tree", "ar"]) == 2
     assert "pick a tree that drafts" in capsys.readouterr().err
+
+
+def test_the_native_steps_rows_are_compared_by_their_kept_kv_and_logits(tiny):
+    from entmtp_ray.model import step
+    from entmtp_ray.model.kernels import prepare
+
+    loaded = tiny[0]
+    if step.for_model(loaded.model, prepare(loaded.model)) is None:
+        pytest.skip("the native step cannot serve here (no C++ compiler)")
+    checks = find_partings(loaded, PROMPT, HYDRA, 3, operations=False)
+    assert len(checks) == 3 * len(chain_nodes(HYDRA))
+    assert all(c.parting is None and c.kv_parting is None and c.logits_equal for c in checks)
+    embed = loaded.model.model.embed_tokens  # the embedding stays in Python: plant there, the tree's forward only
+    handle = embed.register_forward_hook(lambda m, i, out: out + 0.5 if i[0].numel() == HYDRA.num_nodes else out)
+    try:
+        planted = find_partings(loaded, PROMPT, HYDRA, 3, operations=False)
+    finally:
+        handle.remove()
+    assert all(c.kv_parting == 0 and not c.logits_equal for c in planted)
