@@ -6,7 +6,6 @@ import ast
 import importlib.util
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -144,7 +143,7 @@ def test_forked_run_kills_and_keeps_files(mutate, tmp_path):
     assert json.loads((tmp_path / "out" / "results.json").read_text())["modules"]["tinypkg_mut/calc.py"]["total"] == 4
     # a rerun on unchanged source runs nothing; --rerun-survivors re-tests the survivor (and the uncovered one)
     assert mutate.run(tmp_path, **kwargs)["ran"] == 0
-    again = mutate.run(tmp_path, **kwargs, rerun_survivors=True)
+    again = mutate.run(tmp_path, **kwargs, rerun=("survived", "not covered"))
     assert again["ran"] == 2 and target.read_bytes() == before
 
 
@@ -180,3 +179,7 @@ def test_hangs_time_out_and_broken_imports_count_as_killed(mutate, tmp_path):
     assert status["7:10:augassign:+="][0] == "timeout"                 # n grows for ever: one test's deadline
     assert status["7:10:augassign:+="][1].startswith("a test ran over")
     assert recs["tinypkg_hang/hang.py:7:10:augassign:+="]["seconds"] < 15
+    # --rerun-timeouts runs the timeout alone again
+    again = mutate.run(tmp_path, modules=["tinypkg_hang/hang.py"], test_args=["tests_hang"], out_dir="out",
+                       pattern=r":(augassign|cmp):", preload=(), log=print, slack_s=1.0, rerun=("timeout",))
+    assert again["ran"] == 1
