@@ -24,10 +24,7 @@ choice (a host where SDPA is faster and ties are acceptable).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -232,7 +229,7 @@ torch::Tensor fixed_order_attention(torch::Tensor q, torch::Tensor k, torch::Ten
 """
 
 _DISABLED = os.environ.get("ENTMTP_FIXED_ORDER_ATTENTION", "1") == "0"  # read once: uses_fixed_order runs per layer
-_off = threading.local()  # sdpa_only() inside this thread
+_switch = native.ThreadSwitch()  # sdpa_only()
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 _kernel = None  # the built module, once fixed_order_ready() found it
 
@@ -247,21 +244,16 @@ def fixed_order_ready() -> bool:
     return _kernel is not None
 
 
-@contextlib.contextmanager
-def sdpa_only() -> Iterator[None]:
+def sdpa_only():
     """Forwards inside (on this thread) keep SDPA: for benchmarks that time both attentions side by side."""
-    previous, _off.on = getattr(_off, "on", False), True
-    try:
-        yield
-    finally:
-        _off.on = previous
+    return _switch.off()
 
 
 def uses_fixed_order(q: torch.Tensor) -> bool:
     """Whether a forward on q's device and dtype takes the fixed-order attention: CPU, bf16/fp16, no autograd (the
     kernel has no backward; training keeps SDPA), kernel built."""
     return (q.device.type == "cpu" and q.dtype in DTYPES and not torch.is_grad_enabled()
-            and not getattr(_off, "on", False) and fixed_order_ready())
+            and not _switch.is_off and fixed_order_ready())
 
 
 def fixed_order_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

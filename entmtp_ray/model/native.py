@@ -11,12 +11,14 @@ is None, a warning says why once, and the forward keeps torch's own operators.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -85,6 +87,26 @@ class NativeKernel:
         wait_for_build_lock(folder / "lock", STALE_BUILD_LOCK_S)
         return load_inline(self.name + suffix, cpp_sources=[self.source], functions=self.functions,
                            extra_cflags=FLAGS + openmp, extra_ldflags=openmp, build_directory=str(folder))
+
+
+class ThreadSwitch:
+    """A kernel switched off on one thread for a block (`off()`), so that a benchmark times it and torch's operators
+    side by side; other threads keep it."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @property
+    def is_off(self) -> bool:
+        return getattr(self._local, "off", False)
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        previous, self._local.off = self.is_off, True
+        try:
+            yield
+        finally:
+            self._local.off = previous
 
 
 def build_folder(name: str) -> Path:

@@ -18,10 +18,7 @@ weight-only kernels).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -176,22 +173,17 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, int64_t kind, torch:
 
 _DISABLED = os.environ.get("ENTMTP_NATIVE_PRODUCTS", "1") == "0"
 _NONE = torch.empty(0)
-_off = threading.local()  # switched_off() inside this thread
+_switch = native.ThreadSwitch()  # switched_off()
 
 
 def native_ready() -> bool:
     """Whether the kernel is built (building it on the first call); ENTMTP_NATIVE_PRODUCTS=0 keeps torch's own."""
-    return not _DISABLED and not getattr(_off, "on", False) and native.kernel() is not None
+    return not _DISABLED and not _switch.is_off and native.kernel() is not None
 
 
-@contextlib.contextmanager
-def switched_off() -> Iterator[None]:
+def switched_off():
     """Weights prepared inside (on this thread) keep torch's products: for benchmarks that time both side by side."""
-    previous, _off.on = getattr(_off, "on", False), True
-    try:
-        yield
-    finally:
-        _off.on = previous
+    return _switch.off()
 
 
 def takes(weight: torch.Tensor, scheme: str) -> bool:
