@@ -180,8 +180,9 @@ def attention_costs(stack, prompts: list[list[int]], repeats: int, policy=None, 
     with torch.inference_mode():  # as a verify runs
         serves = uses_fixed_order(torch.zeros(1, dtype=loaded.dtype, device=loaded.device))
     if not serves:
-        print(f"error: the fixed-order attention does not serve {loaded.dtype} on {loaded.device.type} here (CPU, "
-              "bf16/fp16, a built kernel): pass --dtype bf16", file=sys.stderr)
+        print(f"error: the fixed-order attention does not serve {loaded.dtype} on {loaded.device.type} here (it "
+              "needs CPU, fp32/bf16/fp16 and a built kernel: `python -m entmtp_ray.model.native` builds it or says "
+              "why not; unset ENTMTP_FIXED_ORDER_ATTENTION=0)", file=sys.stderr)
         return 2
     trees = sized_trees((1, 4, 8, 16, 64))
     decoder = SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))

@@ -170,6 +170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &step::Model::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 """
+_CSRC = Path(__file__).parent / "csrc"  # attention.cpp, products.cpp, step.cpp: the kernels' C++
 _KERNEL: NativeKernel | None = None
 _kernel_lock = threading.Lock()
 
@@ -182,10 +183,11 @@ def _body(source: str) -> str:
 def source() -> str:
     """The extension's text: the attention's and the products' code each in a namespace of its own (fo, rp), the
     step's (namespace step) that calls both, then the bindings."""
-    from entmtp_ray.model import attention, products, step
+    def text(name: str) -> str:
+        return _body((_CSRC / f"{name}.cpp").read_text())
 
-    return (f"{_INCLUDES}namespace fo {{\n{_body(attention.SOURCE)}\n}}\n"
-            f"namespace rp {{\n{_body(products.SOURCE)}\n}}\n{_body(step.SOURCE)}\n{_BINDINGS}")
+    return (f"{_INCLUDES}namespace fo {{\n{text('attention')}\n}}\n"
+            f"namespace rp {{\n{text('products')}\n}}\n{text('step')}\n{_BINDINGS}")
 
 
 def kernel():

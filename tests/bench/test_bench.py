@@ -142,10 +142,10 @@ def test_verify_cost_times_each_tree_on_the_models_device(tiny_model_dirs):
 def test_attention_costs_time_sdpa_and_the_fixed_order_attention_side_by_side(tiny_model_dirs, capsys):
     """--attention-costs: a row per prefix and attention, a JSON line with both; with a bank, its entmtp-tau's
     decodes with each attention, the fixed-order one equal to AR's; refused (exit 2) where the fixed-order
-    attention does not serve the dtype (fp32)."""
+    attention does not serve the forward (kernel not built or switched off)."""
     from entmtp_ray.calibrate.bank import bank_policy, load_bank
     from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.model.attention import fixed_order_ready
+    from entmtp_ray.model.attention import fixed_order_ready, sdpa_only
     from entmtp_ray.pipeline.assemble import load_stack
 
     if not fixed_order_ready():
@@ -165,9 +165,9 @@ def test_attention_costs_time_sdpa_and_the_fixed_order_attention_side_by_side(ti
     speeds = summary["policy"]
     assert speeds["fixed-order"]["equal_to_ar"] == len(prompts) and speeds["sdpa"]["tokens_per_s"] > 0
     assert any(line.startswith("entmtp-tau tokens/s") for line in out)
-    fp32 = load_stack(ModelConfig(model=model, heads=heads, dtype="fp32", device="cpu"), with_heads=False)
-    assert bench_engine.attention_costs(fp32, prompts, 1) == 2
-    assert "pass --dtype bf16" in capsys.readouterr().err
+    with sdpa_only():  # as where the kernel is not built or switched off: refused, with the fix named
+        assert bench_engine.attention_costs(stack, prompts, 1) == 2
+    assert "python -m entmtp_ray.model.native" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the real embedded model, every system in turn
