@@ -137,7 +137,9 @@ def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own
     run here on the shared Ray, writes only the rows it had not finished."""
     data = write_prompts(tmp_path / "prompts.jsonl", 16)
     out = tmp_path / "out"
-    args = job_args(tiny_model_dirs, data, out, "--policy", "ar", "--max-new-tokens", "40", "--rows-per-file", "1")
+    # rows long enough (about half a second each here) that the job is still decoding when the kill lands: with
+    # 40 tokens a row all 16 were written between the third row's sight and the kill
+    args = job_args(tiny_model_dirs, data, out, "--policy", "ar", "--max-new-tokens", "320", "--rows-per-file", "1")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and len(readable_rows(out)) < 3:
@@ -149,6 +151,7 @@ def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own
     proc.wait()
     # a file cut short by the kill is no output: --resume sets it aside and redoes its rows
     first = {r["id"]: r["started_at"] for r in readable_rows(out)}
+    print("rows written before the kill:", len(first), [(r["num_output_tokens"], round(r["decode_s"], 2)) for r in readable_rows(out)])
     assert 3 <= len(first) < 16, f"the job should have been stopped part-way, wrote {len(first)} rows"
 
     proc = run_here(args + ["--resume"])
