@@ -58,9 +58,17 @@ def test_config_is_a_leaf_that_loads_no_framework_and_only_the_ray_stages_import
 
 
 def test_the_jobs_read_tasks_and_small_actors_load_no_torch():
-    """Ray imports a task's module in its worker: the read tasks, scans, tallies and the start-up log must not pay
-    for torch and transformers while the first actor loads them on the same cores (issue 50)."""
-    probe = ("import sys, entmtp_ray.pipeline.streams; "
+    """Ray imports a task's module in its worker: the read tasks, scans, the job's ledger, --n's expansion and the
+    summary must not pay for torch and transformers while the first actor loads them on the same cores (issue 50),
+    at import or when they run (a read task's lazy import of the output schema once pulled torch: 2.3 s)."""
+    probe = ("import sys, pyarrow as pa\n"
+             "from entmtp_ray.config import DecodingConfig\n"
+             "from entmtp_ray.pipeline import streams, outputs\n"
+             "from entmtp_ray.pipeline.sampling import expand\n"
+             "from entmtp_ray.pipeline.tasks import prompt_spec, standardize\n"
+             "spec = prompt_spec('humaneval', None, None, None, None, None)\n"
+             "rows = standardize(pa.table({'task_id': ['a'], 'prompt': ['def f(): pass']}), spec)\n"
+             "expand(rows, DecodingConfig(n=2))\n"
              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -33,7 +33,7 @@ from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_m
 from entmtp_ray.pipeline.autobank import data_identity
 from entmtp_ray.pipeline.processor import PROBE_PATIENCE_S, Processor, calibration_problem, calibration_rows
 from entmtp_ray.pipeline.sources import Location, Source
-from entmtp_ray.pipeline.streams import (RowTally, StartupLog, counted, drop_finished, on_this_node,
+from entmtp_ray.pipeline.streams import (JobLedger, counted, drop_finished, on_this_node,
                                          finished_keys_task, read_prompts, sample, scan_files, summarize_task)
 from entmtp_ray.pipeline.tasks import PromptSpec, open_source
 
@@ -136,16 +136,16 @@ def shutdown() -> None:
 
 
 def _job_rows(prompts: PromptSpec | pa.Table, processor: Processor, limit: int | None, seed: int,
-              source: Source | None, tallies: tuple | None = None) -> "ray.data.Dataset":
-    """The job's rows: read, (--limit), one per sample; counted into `tallies` (rows read, samples) when given."""
+              source: Source | None, ledger=None) -> "ray.data.Dataset":
+    """The job's rows: read, (--limit), one per sample; counted into a JobLedger (`read`, `samples`) when given."""
     ds = ray.data.from_arrow(prompts) if isinstance(prompts, pa.Table) else read_prompts(prompts, source)
-    if tallies:
-        ds = ds.map_batches(counted(tallies[0]), batch_format="pyarrow", batch_size=None)
+    if ledger:
+        ds = ds.map_batches(counted(ledger, "read"), batch_format="pyarrow", batch_size=None)
     if limit is not None:
         ds = sample(ds, limit, seed)
     ds = processor.expand(ds)
-    if tallies:
-        ds = ds.map_batches(counted(tallies[1]), batch_format="pyarrow", batch_size=None)
+    if ledger:
+        ds = ds.map_batches(counted(ledger, "samples"), batch_format="pyarrow", batch_size=None)
     return ds
 
 
@@ -191,8 +191,8 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
     if isinstance(prompts, PromptSpec) and prompts.kind == "files" and prompts.types is None:
         source = source or open_source(prompts)
         prompts = scan_files(prompts, source)  # once: the calibration's reading and the job's type alike
-    tally, samples = (RowTally.options(**on_this_node()).remote() for _ in range(2))  # the head outlives workers
-    ds = _job_rows(prompts, processor, limit, seed, source, (tally, samples))
+    ledger = JobLedger.options(**on_this_node()).remote()  # the head outlives workers
+    ds = _job_rows(prompts, processor, limit, seed, source, ledger)
     calibration, finished = None, None
     if job.resume:
         finished = finished_keys_task.options(**on_this_node()).remote(location)
@@ -209,18 +209,18 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
             finished = finished_keys_task.options(**on_this_node()).remote(location)  # now with those rows
     if finished:
         ds = ds.map_batches(drop_finished(finished[0]), batch_format="pyarrow", batch_size=None)
-    processor.startup_log = StartupLog.options(**on_this_node()).remote()
+    processor.ledger = ledger
     timeline["planned"] = time.time()
     processor.decode(ds).write_parquet(location.path, filesystem=location.filesystem,
                                        min_rows_per_file=job.rows_per_file, mode=SaveMode.APPEND)
-    read = ray.get(tally.total.remote())
+    read = ray.get(ledger.total.remote("read"))
     input_rows = min(read, limit) if limit is not None else read
-    expected = ray.get(samples.total.remote())
+    expected = ray.get(ledger.total.remote("samples"))
     summary = ray.get(summarize_task.options(**on_this_node()).remote(location, start, input_rows, expected))
     if calibration is not None:
         summary["calibration"] = calibration
     summary["ok"] = calibration_problem(calibration) is None
-    summary["startup"] = start_up_timeline(start, timeline, ray.get(processor.startup_log.get.remote()),
+    summary["startup"] = start_up_timeline(start, timeline, ray.get(ledger.startup.remote()),
                                            summary.get("first_row_s"))
     return summary
 

@@ -55,11 +55,11 @@ class GenerateActor:
     """Callable class for map_batches: loads model, heads and policy once, then decodes row by row."""
 
     def __init__(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None = None,
-                 bank_label: str | None = None, concurrency: int = 1, startup: "ray.actor.ActorHandle | None" = None):
+                 bank_label: str | None = None, concurrency: int = 1, ledger: "ray.actor.ActorHandle | None" = None):
         import psutil  # Ray's own copy (ray/thirdparty_files), on the path of every Ray worker
 
-        # this actor's start-up timeline (unix seconds by phase), reported to the job's StartupLog when given
-        self.startup, self.marks = startup, {"process_up": psutil.Process().create_time(), "init": time.time()}
+        # this actor's start-up timeline (unix seconds by phase), reported to the job's JobLedger when given
+        self.ledger, self.marks = ledger, {"process_up": psutil.Process().create_time(), "init": time.time()}
         self.torch_thread = None
         if concurrency > 1:
             # Ray runs up to K calls of this actor at once, on threads of its own; each hands its row to the engine's
@@ -74,8 +74,8 @@ class GenerateActor:
 
     def _mark(self, phase: str) -> None:
         self.marks[phase] = time.time()
-        if phase in ("ready", "first_request") and self.startup is not None:
-            self.startup.add.remote(ray.get_runtime_context().get_actor_id(), dict(self.marks))
+        if phase in ("ready", "first_request") and self.ledger is not None:
+            self.ledger.started.remote(ray.get_runtime_context().get_actor_id(), dict(self.marks))
 
     def _load(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None, bank_label: str | None,
               concurrency: int):
@@ -154,7 +154,7 @@ class Processor:
                                config.messages_column)
         self.placement: ActorPlacement | None = None  # decided once Ray is up (dataplane.connect, or generate)
         self._dtype: str | None = None  # the actors' (actors_dtype)
-        self.startup_log = None  # a StartupLog the actors report their start-up to (set by dataplane.run_job)
+        self.ledger = None  # a streams.JobLedger the actors report their start-up to (set by dataplane.run_job)
 
     def place(self) -> ActorPlacement:
         """The actors' GPUs and device on the connected Ray cluster (placement.place_actors), decided once, and the
@@ -334,7 +334,7 @@ class Processor:
                                    "decoding": self.plan.decoding.model_dump(),
                                    "threads": max(1, int(pool.cpus_per_actor)),
                                    "bank": self.bank_json, "bank_label": self.plan.bank_label,
-                                   "concurrency": pool.concurrent_requests, "startup": self.startup_log},
+                                   "concurrency": pool.concurrent_requests, "ledger": self.ledger},
             batch_size=1,
             batch_format="pyarrow",
             compute=actor_pool(pool),

@@ -5,11 +5,14 @@ one type)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.results import GenerationResult
+
+if TYPE_CHECKING:  # a type only: the read tasks take OUTPUT_COLUMNS from here, and must not import torch for it
+    from entmtp_ray.decode.results import GenerationResult
 
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()),

@@ -1,6 +1,7 @@
 """What the job's Ray tasks and small actors run, apart from the model: the prompt reads (files parsed and rows made
-on the workers), the column scans, --limit's sampling, the row tallies, the resume's anti-join against the keys
-already written, the output's summary, and the actors' start-up log (dataplane.py plans the job around them).
+on the workers), the column scans, --limit's sampling, the job's ledger (row tallies and the actors' start-up
+timelines), the resume's anti-join against the keys already written and the output's summary (dataplane.py plans
+the job around them).
 
 Nothing here imports torch or the model's modules: Ray imports a task's module in the worker that runs it, and a
 read task that imported the model's stack spent some 3 s of CPU doing so while the first actor imported the same on
@@ -72,24 +73,34 @@ class OneTaskPrompts(Datasource):
 
 
 @ray.remote(num_cpus=0)
-class RowTally:
-    """Rows that entered the job, counted once per block however often a retried task reports it."""
+class JobLedger:
+    """What the job's workers report to its driver, in one actor (each actor is a process of its own to start, on the
+    machine the first row waits for): rows counted by name (`read`, `samples`), once per block however often a retried
+    task reports it, and the start-up timelines its actors report (actor id -> unix seconds by phase)."""
 
     def __init__(self):
-        self.blocks: dict[str, int] = {}
+        self.blocks: dict[str, dict[str, int]] = {}
+        self.actors: dict[str, dict[str, float]] = {}
 
-    def add(self, key: str, rows: int) -> None:
-        self.blocks[key] = rows
+    def count(self, name: str, key: str, rows: int) -> None:
+        self.blocks.setdefault(name, {})[key] = rows
 
-    def total(self) -> int:
-        return sum(self.blocks.values())
+    def total(self, name: str) -> int:
+        return sum(self.blocks.get(name, {}).values())
+
+    def started(self, actor_id: str, marks: dict[str, float]) -> None:
+        self.actors.setdefault(actor_id, {}).update(marks)
+
+    def startup(self) -> dict[str, dict[str, float]]:
+        return self.actors
 
 
-def counted(tally):
+def counted(ledger, name: str):
+    """A map_batches function that counts the rows passing into `ledger` under `name`."""
     def count(batch: pa.Table) -> pa.Table:
         if batch.num_rows:
             ids = batch.column("id")
-            ray.get(tally.add.remote(f"{ids[0]}|{ids[-1]}|{batch.num_rows}", batch.num_rows))
+            ray.get(ledger.count.remote(name, f"{ids[0]}|{ids[-1]}|{batch.num_rows}", batch.num_rows))
         return batch
     return count
 
@@ -168,19 +179,3 @@ def drop_finished(done_ref):
         keys = output_keys(batch.column("id"), batch.column(SAMPLE_INDEX))
         return batch.filter(pc.invert(pc.is_in(keys, value_set=done)))
     return drop
-
-
-# ---- the actors' start-up ---------------------------------------------------------------------------
-
-@ray.remote(num_cpus=0)
-class StartupLog:
-    """The start-up timelines the job's actors report (actor id -> unix seconds by phase), for its summary."""
-
-    def __init__(self):
-        self.actors: dict[str, dict[str, float]] = {}
-
-    def add(self, actor_id: str, marks: dict[str, float]) -> None:
-        self.actors.setdefault(actor_id, {}).update(marks)
-
-    def get(self) -> dict[str, dict[str, float]]:
-        return self.actors

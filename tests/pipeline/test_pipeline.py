@@ -53,6 +53,16 @@ def test_job_writes_every_row_once_with_stats_and_input_columns(tiny_model_dirs,
     labels = pd.read_parquet(tmp_path / "out")["label"]  # an integer input column comes back an integer
     assert str(labels.dtype) == "int64" and sorted(labels) == [-3, -2, -1, 0, 1, 2, 3, 4, 5]
     assert "--max-input-tokens" in by_id["long"]["error"]
+    # the start-up timeline, seconds since the job began: the driver's phases in order, then each actor's as it
+    # reported them to the job's ledger (an actor that served no row reports no first request)
+    startup = summary["startup"]
+    assert list(startup["driver"]) == ["configs", "ray_up", "checks", "dtype", "planned"]
+    assert startup["actors"] and {r["actor_id"][:12] for r in rows} <= {a["actor"] for a in startup["actors"]}
+    for actor in startup["actors"]:
+        assert actor["process_up"] <= actor["imports"] <= actor["weights"] <= actor["ready"]
+        assert actor["ready"] <= actor.get("first_request", actor["ready"])
+    first_requests = [a["first_request"] for a in startup["actors"] if "first_request" in a]
+    assert startup["driver"]["planned"] < min(first_requests) < startup["first_row_s"] == summary["first_row_s"]
 
 
 @pytest.mark.slow
