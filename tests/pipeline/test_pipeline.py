@@ -117,11 +117,24 @@ def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path, kind, ra
 @pytest.mark.slow
 def test_concurrent_requests_write_the_rows_of_one_at_a_time_once_each_through_an_actor_death(tiny_model_dirs,
                                                                                               tmp_path, ray_cluster):
-    """--concurrent-requests 3: each actor runs three rows at once through one batch; the rows equal a
-    one-at-a-time job's, and an actor that dies with rows in flight has every one of them retried, none twice."""
+    """--concurrent-requests 3: each actor runs three rows at once through one batch; the rows equal those an engine
+    decodes one at a time (what an actor of a one-at-a-time job runs, here in this process on the actor's one thread),
+    and an actor that dies with rows in flight has every one of them retried, none twice."""
+    import torch
+
+    from entmtp_ray.pipeline.engine import Engine
+
     data = write_prompts(tmp_path / "prompts.jsonl", 10)
-    one = run_here(job_args(tiny_model_dirs, data, tmp_path / "one", "--policy", "hydra"))
-    assert one.returncode == 0, one.stderr[-3000:]
+    model_dir, heads_dir = tiny_model_dirs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # an actor's threads: one per CPU it reserves (--cpus-per-actor 1)
+    try:
+        engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir)),
+                        DecodingConfig(policy="hydra", max_new_tokens=12))
+        want = {f"q{i}": engine.run(f"q{i}", f"Write item number {i} of a list.")["output_token_ids"]
+                for i in range(10)}
+    finally:
+        torch.set_num_threads(threads)
     marker = tmp_path / "crashed"
     env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q4", "ENTMTP_FAULT_MARKER": str(marker), "ENTMTP_FAULT_KIND": "exit"}
     args = job_args(tiny_model_dirs, data, tmp_path / "many", "--policy", "hydra", "--concurrent-requests", "3")
@@ -129,7 +142,6 @@ def test_concurrent_requests_write_the_rows_of_one_at_a_time_once_each_through_a
         many = run_here(args)
     assert many.returncode == 0, many.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
-    want = {r["id"]: r["output_token_ids"] for r in read_output(tmp_path / "one")}
     rows = read_output(tmp_path / "many")
     assert sorted(r["id"] for r in rows) == sorted(want) and all(r["error"] is None for r in rows)
     assert all(r["output_token_ids"] == want[r["id"]] for r in rows)
