@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, FileBasedDatasource, ReadTask
@@ -110,13 +111,23 @@ def _scan_file(filesystem, path: str, label: str, text_columns: tuple[str, ...])
     return scan_file(filesystem, path, label, text_columns)
 
 
+# local files up to this size in all are scanned in the driver's process: a Ray task for them waited on a worker
+# importing this module (0.7 s on 2 cores) before the job could plan, and so before its first actor started
+SCAN_HERE_BYTES = 16 << 20
+
+
 def scan_files(spec: PromptSpec, source: Source) -> PromptSpec:
-    """The spec with the kinds of its files' columns (sources.ColumnScan), each file scanned by a Ray task, so
-    that every block of every file is typed alike (a JSON lines or CSV column's type is known only from all of
-    its values); decoding a row costs far more than reading it twice."""
+    """The spec with the kinds of its files' columns (sources.ColumnScan), each file scanned by a Ray task (small
+    local files here), so that every block of every file is typed alike (a JSON lines or CSV column's type is known
+    only from all of its values); decoding a row costs far more than reading it twice."""
     scan = ColumnScan()
-    for part in ray.get([_scan_file.remote(source.filesystem, file, source.label(file), spec.text_columns)
-                         for file in source.files]):
+    args = [(source.filesystem, file, source.label(file), spec.text_columns) for file in source.files]
+    if isinstance(source.filesystem, pafs.LocalFileSystem) and \
+            sum(info.size or 0 for info in source.filesystem.get_file_info(list(source.files))) <= SCAN_HERE_BYTES:
+        parts = [scan_file(*a) for a in args]
+    else:
+        parts = ray.get([_scan_file.remote(*a) for a in args])
+    for part in parts:
         scan.merge(part)
     return typed(spec, scan)
 

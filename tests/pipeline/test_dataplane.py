@@ -173,3 +173,25 @@ def test_the_actors_dtype_is_asked_of_a_worker_once_when_cpu_actors_pick_it(ray_
     local.placement = cpu
     local.ask_actors(local=True)
     assert local._dtype == here and local.plan.bank.hardware.dtype == here
+
+
+def test_a_small_local_dataset_is_scanned_here_as_ray_tasks_scan_it(ray_local, tmp_path, monkeypatch):
+    """scan_files types small local files in the driver's process (no worker to wait for before the plan) and
+    anything else by a Ray task per file: the same kinds either way, a column mixing int and text made text."""
+    from entmtp_ray.pipeline import streams
+    from entmtp_ray.pipeline.tasks import open_source, prompt_spec
+
+    root = write_folder(tmp_path / "data")
+    (root / "mixed.jsonl").write_text(json.dumps({"prompt": "m0", "k": 1}) + "\n" + json.dumps({"prompt": "m1", "k": "x"})
+                                      + "\n")
+    spec = prompt_spec(None, str(root))
+    source = open_source(spec)
+    calls = []
+    remote = streams._scan_file.remote
+    monkeypatch.setattr(streams._scan_file, "remote", lambda *a: calls.append(a) or remote(*a))
+    here = streams.scan_files(spec, source)
+    assert not calls, "a small local dataset went to Ray tasks"
+    monkeypatch.setattr(streams, "SCAN_HERE_BYTES", 0)
+    by_tasks = streams.scan_files(spec, source)
+    assert len(calls) == len(source.files)
+    assert here.types == by_tasks.types and dict(here.types)["k"] == "text"
