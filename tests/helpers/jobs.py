@@ -98,22 +98,30 @@ def run_main(main, argv: list[str]) -> Finished:
     """A command's `main(argv)` run in this process as its launcher would run it: stdout, stderr and the warnings it
     logs captured, its exit status (argparse's usage errors included); torch's thread count, which a command may
     set for its work, is given back afterwards."""
-    import torch
-
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(err)
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))  # as cli.quiet_logging's
     root = logging.getLogger()
     root.addHandler(handler)
-    threads = torch.get_num_threads()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with kept_torch_threads(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(argv)
             except SystemExit as exc:  # argparse's usage errors
                 code = exc.code if isinstance(exc.code, int) else 1
     finally:
         root.removeHandler(handler)
-        torch.set_num_threads(threads)
     return Finished(code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def kept_torch_threads():
+    """torch's thread count as it was before the block, whatever the block set."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -19,14 +19,14 @@ import time
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
 from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
 from helpers import raytools
-from helpers.jobs import environment, job_args, read_output, readable_rows, run_here, write_prompts
+from helpers.jobs import (environment, job_args, kept_torch_threads, read_output, readable_rows, run_here,
+                          write_prompts)
 
 
 
@@ -126,15 +126,12 @@ def test_concurrent_requests_write_the_rows_of_one_at_a_time_once_each_through_a
 
     data = write_prompts(tmp_path / "prompts.jsonl", 10)
     model_dir, heads_dir = tiny_model_dirs
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # an actor's threads: one per CPU it reserves (--cpus-per-actor 1)
-    try:
+    with kept_torch_threads():
+        torch.set_num_threads(1)  # an actor's threads: one per CPU it reserves (--cpus-per-actor 1)
         engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir)),
                         DecodingConfig(policy="hydra", max_new_tokens=12))
         want = {f"q{i}": engine.run(f"q{i}", f"Write item number {i} of a list.")["output_token_ids"]
                 for i in range(10)}
-    finally:
-        torch.set_num_threads(threads)
     marker = tmp_path / "crashed"
     env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q4", "ENTMTP_FAULT_MARKER": str(marker), "ENTMTP_FAULT_KIND": "exit"}
     args = job_args(tiny_model_dirs, data, tmp_path / "many", "--policy", "hydra", "--concurrent-requests", "3")
@@ -173,7 +170,8 @@ def test_stopped_job_resumes_without_regenerating(tiny_model_dirs, tmp_path, own
     proc.wait()
     # a file cut short by the kill is no output: --resume sets it aside and redoes its rows
     first = {r["id"]: r["started_at"] for r in readable_rows(out)}
-    print("rows written before the kill:", len(first), [(r["num_output_tokens"], round(r["decode_s"], 2)) for r in readable_rows(out)])
+    print("rows written before the kill (tokens, decode s):", len(first),
+          [(r["num_output_tokens"], round(r["decode_s"], 2)) for r in readable_rows(out)])
     assert 3 <= len(first) < 16, f"the job should have been stopped part-way, wrote {len(first)} rows"
 
     proc = run_here(args + ["--resume"])
