@@ -94,3 +94,11 @@ def test_a_read_beside_the_checkout_is_refused_and_recorded(tmp_path):
     else:
         raise AssertionError("a read beside the checkout was not refused")
     assert alone.READ.pop() == str((beside / "calibration.jsonl").resolve())  # popped: the run itself is clean
+
+def test_the_jobs_driver_loads_no_model_code():
+    """The driver plans and checks the job while its first actor imports the model on the other core: transformers'
+    Llama modelling (3 s of imports on 2 cores: torch._dynamo, torch.distributed.tensor) is the actors' alone."""
+    probe = ("import sys, entmtp_ray.jobs.generate, entmtp_ray.cli\n"
+             "print(sorted(m for m in sys.modules if m.startswith('transformers.models.') and '.modeling_' in m))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

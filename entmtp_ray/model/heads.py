@@ -18,7 +18,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
 from safetensors.torch import load_file, save_file
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import attention_mask, decoder_layer, rotary_tables
@@ -109,6 +108,10 @@ class HydraHeads(nn.Module):
         self.config = config
         h = config.hidden_size
         if config.arch == "prefix-mlp":
+            # transformers' Llama modelling (3 s of imports on 2 cores) only where heads are built: a job's driver
+            # reads heads' configs through this module while its first actor imports the same on the other core
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
             prefix_cfg = copy.deepcopy(base_config)
             prefix_cfg.num_hidden_layers = 1
             self.prefix_layer = LlamaDecoderLayer(prefix_cfg, layer_idx=0)
