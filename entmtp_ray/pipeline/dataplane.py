@@ -34,7 +34,8 @@ from entmtp_ray.pipeline.autobank import data_identity
 from entmtp_ray.pipeline.processor import PROBE_PATIENCE_S, Processor, calibration_problem, calibration_rows
 from entmtp_ray.pipeline.sources import Location, Source
 from entmtp_ray.pipeline.streams import (JobLedger, counted, drop_finished, on_this_node,
-                                         finished_keys_task, read_prompts, sample, scan_files, summarize_task)
+                                         finished_keys_task, read_here, read_prompts, sample, sample_here, scan_files,
+                                         small_local, summarize_task)
 from entmtp_ray.pipeline.tasks import PromptSpec, open_source
 
 log = logging.getLogger(__name__)
@@ -137,12 +138,21 @@ def shutdown() -> None:
 
 def _job_rows(prompts: PromptSpec | pa.Table, processor: Processor, limit: int | None, seed: int,
               source: Source | None, ledger=None) -> "ray.data.Dataset":
-    """The job's rows: read, (--limit), one per sample; counted into a JobLedger (`read`, `samples`) when given."""
-    ds = ray.data.from_arrow(prompts) if isinstance(prompts, pa.Table) else read_prompts(prompts, source)
-    if ledger:
-        ds = ds.map_batches(counted(ledger, "read"), batch_format="pyarrow", batch_size=None)
-    if limit is not None:
-        ds = sample(ds, limit, seed)
+    """The job's rows: read, (--limit), one per sample; counted into a JobLedger (`read`, `samples`) when given.
+    A small local dataset is read and sampled here (streams.read_here), the rest by Ray tasks."""
+    if isinstance(prompts, PromptSpec) and prompts.kind == "files" and prompts.types is not None \
+            and small_local(source := source or open_source(prompts)):
+        table = read_here(prompts, source)
+        if ledger and table.num_rows:  # not waited for: the ledger's process may still be starting; its later
+            ids = table.column("id")   # calls from this driver run after this one
+            ledger.count.remote("read", f"{ids[0]}|{ids[-1]}|{table.num_rows}", table.num_rows)
+        ds = ray.data.from_arrow(sample_here(table, limit, seed) if limit is not None else table)
+    else:
+        ds = ray.data.from_arrow(prompts) if isinstance(prompts, pa.Table) else read_prompts(prompts, source)
+        if ledger:
+            ds = ds.map_batches(counted(ledger, "read"), batch_format="pyarrow", batch_size=None)
+        if limit is not None:
+            ds = sample(ds, limit, seed)
     ds = processor.expand(ds)
     if ledger:
         ds = ds.map_batches(counted(ledger, "samples"), batch_format="pyarrow", batch_size=None)

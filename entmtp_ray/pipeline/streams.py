@@ -122,14 +122,36 @@ def scan_files(spec: PromptSpec, source: Source) -> PromptSpec:
     only from all of its values); decoding a row costs far more than reading it twice."""
     scan = ColumnScan()
     args = [(source.filesystem, file, source.label(file), spec.text_columns) for file in source.files]
-    if isinstance(source.filesystem, pafs.LocalFileSystem) and \
-            sum(info.size or 0 for info in source.filesystem.get_file_info(list(source.files))) <= SCAN_HERE_BYTES:
+    if small_local(source):
         parts = [scan_file(*a) for a in args]
     else:
         parts = ray.get([_scan_file.remote(*a) for a in args])
     for part in parts:
         scan.merge(part)
     return typed(spec, scan)
+
+
+def small_local(source: Source) -> bool:
+    """Whether `source` is local files of SCAN_HERE_BYTES in all: scanned, read and sampled in the driver."""
+    return isinstance(source.filesystem, pafs.LocalFileSystem) and \
+        sum(info.size or 0 for info in source.filesystem.get_file_info(list(source.files))) <= SCAN_HERE_BYTES
+
+
+def read_here(spec: PromptSpec, source: Source) -> pa.Table:
+    """The prompt rows of a typed spec's files (small_local), read in this process as a read task would read them:
+    on 2 cores the read, --limit's sort (a map and a reduce) and the limit each took a worker process that imported
+    Ray Data (2-3 s of CPU apiece) while the first actor imported the model on the same cores (issue 50)."""
+    reader = PromptFiles(source, spec)
+    tables = []
+    for path in source.files:
+        with reader._open_input_source(source.filesystem, path) as f:
+            tables.extend(reader._read_stream(f, path))
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def sample_here(table: pa.Table, limit: int, seed: int) -> pa.Table:
+    """`sample` of a table in memory: the same rows, in the same order."""
+    return lowest_keys(limit, seed)(table).drop_columns([SAMPLE_KEY])
 
 
 def read_prompts(spec: PromptSpec, source: Source | None = None) -> "ray.data.Dataset":
