@@ -33,7 +33,7 @@ from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_m
 from entmtp_ray.pipeline.autobank import data_identity
 from entmtp_ray.pipeline.processor import PROBE_PATIENCE_S, Processor, calibration_problem, calibration_rows
 from entmtp_ray.pipeline.sources import Location, Source
-from entmtp_ray.pipeline.streams import (JobLedger, counted, drop_finished, on_this_node,
+from entmtp_ray.pipeline.streams import (JobLedger, TablePrompts, counted, drop_finished, on_this_node,
                                          finished_keys_task, read_here, read_prompts, sample, sample_here, scan_files,
                                          small_local, summarize_task)
 from entmtp_ray.pipeline.tasks import PromptSpec, open_source
@@ -146,7 +146,8 @@ def _job_rows(prompts: PromptSpec | pa.Table, processor: Processor, limit: int |
         if ledger and table.num_rows:  # not waited for: the ledger's process may still be starting; its later
             ids = table.column("id")   # calls from this driver run after this one
             ledger.count.remote("read", f"{ids[0]}|{ids[-1]}|{table.num_rows}", table.num_rows)
-        ds = ray.data.from_arrow(sample_here(table, limit, seed) if limit is not None else table)
+        ds = ray.data.read_datasource(TablePrompts(sample_here(table, limit, seed) if limit is not None else table),
+                                      override_num_blocks=1)
     else:
         ds = ray.data.from_arrow(prompts) if isinstance(prompts, pa.Table) else read_prompts(prompts, source)
         if ledger:

@@ -81,7 +81,8 @@ def test_limit_keeps_the_rows_whose_ids_hash_lowest(ray_local, tmp_path):
 def test_a_small_local_dataset_is_read_and_sampled_here_as_ray_tasks_read_and_sample_it(ray_local, tmp_path):
     """A job reads a small local dataset in its driver (streams.read_here, no read task, sort or limit to start
     worker processes for): the same rows, and the same --limit sample in the same order, as the tasks give."""
-    from entmtp_ray.pipeline.streams import read_here, read_prompts, sample, sample_here, scan_files, small_local
+    from entmtp_ray.pipeline.streams import (TablePrompts, read_here, read_prompts, sample, sample_here, scan_files,
+                                             small_local)
     from entmtp_ray.pipeline.tasks import open_source, prompt_spec
 
     root = write_folder(tmp_path / "data")
@@ -92,6 +93,8 @@ def test_a_small_local_dataset_is_read_and_sampled_here_as_ray_tasks_read_and_sa
     here = read_here(typed, source)
     by_tasks = pa.concat_tables(ray_local.get(read_prompts(typed, source).to_arrow_refs()), promote_options="default")
     assert _rows(here) == _rows(by_tasks) and here.num_rows == 13
+    handed = ray_local.data.read_datasource(TablePrompts(here), override_num_blocks=1)
+    assert pa.concat_tables(ray_local.get(handed.to_arrow_refs())).equals(here)  # one lazy read task, as read
     for limit, seed in [(5, 1), (5, 2), (13, 1), (40, 3)]:
         sampled = [r["id"] for r in sample(read_prompts(typed, source), limit, seed).take_all()]
         assert sample_here(here, limit, seed).column("id").to_pylist() == sampled, (limit, seed)
