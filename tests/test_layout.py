@@ -102,3 +102,18 @@ def test_the_jobs_driver_loads_no_model_code():
              "print(sorted(m for m in sys.modules if m.startswith('transformers.models.') and '.modeling_' in m))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_an_actors_engine_loads_and_decodes_without_transformers_modelling():
+    """A job's actor loads the model into layers.py's containers: transformers' modelling stack (torch._dynamo,
+    torch.distributed.tensor: 3 s of imports on 2 cores) stays out of the first row's way (issue 50)."""
+    probe = ("import sys\n"
+             "from entmtp_ray.config import DecodingConfig, ModelConfig\n"
+             "from entmtp_ray.pipeline.engine import Engine\n"
+             "engine = Engine(ModelConfig(), DecodingConfig(task='humaneval', max_new_tokens=4), "
+             "transformers_forward=False)\n"
+             "engine.warm_up()\n"
+             "print(sorted(m for m in ('transformers.models.llama.modeling_llama', 'torch._dynamo', "
+             "'torch.distributed.tensor', 'transformers.core_model_loading') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr[-2000:]

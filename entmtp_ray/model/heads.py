@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from safetensors.torch import load_file, save_file
 
 from entmtp_ray.model.kv_cache import KVCache
+from entmtp_ray.model.layers import DecoderLayer, LlamaParams, RMSNorm
 from entmtp_ray.model.llama import attention_mask, decoder_layer, rotary_tables
 from entmtp_ray.model.kernels import LayerPlan, Projection, linear, projection
 
@@ -108,14 +109,16 @@ class HydraHeads(nn.Module):
         self.config = config
         h = config.hidden_size
         if config.arch == "prefix-mlp":
-            # transformers' Llama modelling (3 s of imports on 2 cores) only where heads are built: a job's driver
-            # reads heads' configs through this module while its first actor imports the same on the other core
-            from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+            if isinstance(base_config, LlamaParams):  # a model in layers.py's containers: the same parameters
+                self.prefix_layer = DecoderLayer(base_config)
+                self.prefix_norm = RMSNorm(h, base_config.rms_norm_eps)
+            else:  # a transformers model: training runs the layer's own forward (imported here: 3 s on 2 cores)
+                from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-            prefix_cfg = copy.deepcopy(base_config)
-            prefix_cfg.num_hidden_layers = 1
-            self.prefix_layer = LlamaDecoderLayer(prefix_cfg, layer_idx=0)
-            self.prefix_norm = LlamaRMSNorm(h, eps=base_config.rms_norm_eps)
+                prefix_cfg = copy.deepcopy(base_config)
+                prefix_cfg.num_hidden_layers = 1
+                self.prefix_layer = LlamaDecoderLayer(prefix_cfg, layer_idx=0)
+                self.prefix_norm = LlamaRMSNorm(h, eps=base_config.rms_norm_eps)
         else:
             self.prefix_layer = None
             self.prefix_norm = None

@@ -200,9 +200,10 @@ class Stack:
         return SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
 
 
-def load_stack(model_cfg: ModelConfig, with_heads: bool) -> Stack:
-    """The model of `model_cfg`, and its heads and drafter when `with_heads`."""
-    loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format, model_cfg.quantize)
+def load_stack(model_cfg: ModelConfig, with_heads: bool, transformers_forward: bool = True) -> Stack:
+    """The model of `model_cfg`, and its heads and drafter when `with_heads` (`transformers_forward`: load_model)."""
+    loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format, model_cfg.quantize,
+                        transformers_forward)
     if not with_heads:
         return Stack(loaded, None, None, 0)
     heads = load_model_heads(loaded, model_cfg.heads)

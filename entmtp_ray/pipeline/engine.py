@@ -168,11 +168,12 @@ class Engine:
     """`bank`: a bank in hand (a calibrated auto bank, from `bank_label`) instead of the file decoding.bank names;
     `stack`: a loaded model (and heads) to share with another engine of the same model_cfg; `concurrency`: requests
     decoded at once, by `run_many` on the calling thread or by `run` called from that many threads (a Batcher,
-    serving on `executor` when given); 1: each request decodes alone."""
+    serving on `executor` when given); 1: each request decodes alone; `transformers_forward`: load_model's (False
+    where nothing will call transformers' forward on the engine's model: a job's actors)."""
 
     def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
                  bank_label: str | None = None, stack: Stack | None = None, concurrency: int = 1,
-                 executor: TorchThread | None = None):
+                 executor: TorchThread | None = None, transformers_forward: bool = True):
         self.model_cfg = model_cfg
         self.concurrency = concurrency
         self.startup: dict[str, float] = {}  # unix time each phase of the load ended (a job's start-up timeline)
@@ -183,7 +184,7 @@ class Engine:
         self.decoding = resolved.decoding  # the policy that runs, never `auto`
         if stack is not None and resolved.needs_heads and stack.drafter is None:
             raise ValueError("the shared model was loaded without heads, which this policy drafts with")
-        self.stack = stack or load_stack(model_cfg, resolved.needs_heads)
+        self.stack = stack or load_stack(model_cfg, resolved.needs_heads, transformers_forward)
         self.loaded = self.stack.loaded
         self.startup["weights"] = time.time()
         self.decoder = self.stack.decoder(resolved.policy, self.decoding)  # a static cache sized from the job

@@ -90,7 +90,7 @@ class GenerateActor:
         torch.set_num_threads(max(1, threads))
         calibrated = Bank.model_validate_json(bank) if bank else None  # an auto bank, as the job calibrated it
         engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding), calibrated, bank_label,
-                        concurrency=concurrency, executor=self.torch_thread)
+                        concurrency=concurrency, executor=self.torch_thread, transformers_forward=False)
         self.marks.update(engine.startup)
         engine.actor_id = ray.get_runtime_context().get_actor_id()
         if engine.loaded.device.type == "cpu" and engine.loaded.dtype in DTYPES:
