@@ -88,3 +88,34 @@ def test_an_engine_decodes_the_same_tokens_from_the_same_prompt_ids_either_way()
                                 add_special_tokens=False).input_ids
         assert ours.generate("r", prompt).output_token_ids == theirs.generate("r", prompt).output_token_ids
     assert ours.loaded.eos_token_ids == theirs.loaded.eos_token_ids and ours.loaded.max_positions == 8192
+
+
+def test_sharded_and_pytorch_checkpoints_load_as_the_safetensors_one(tiny_model_dirs, tmp_path):
+    """Vicuna v1.3 ships PyTorch shards with an index (and its rotary inv_freq stored); other models safetensors
+    shards: the same parameters from each."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_dirs[0]
+    state = load_file(source / "model.safetensors")
+    names = sorted(state)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    for kind in ("safetensors", "bin"):
+        target = tmp_path / kind
+        target.mkdir()
+        shutil.copy(source / "config.json", target)
+        weight_map = {}
+        for i, half in enumerate(halves):
+            file = f"model-{i}.{kind}"
+            part = {k: state[k].clone() for k in half}
+            if kind == "bin":
+                part[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # as old checkpoints hold it
+                torch.save(part, target / file)
+            else:
+                save_file(part, target / file)
+            weight_map.update({k: file for k in part})
+        index = "model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json"
+        (target / index).write_text(json.dumps({"weight_map": weight_map}))
+        loaded = layers.load(target, torch.float32).state_dict()
+        assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state), kind
