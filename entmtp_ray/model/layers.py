@@ -1,4 +1,5 @@
-"""The Llama-family module tree the engine decodes with, loaded from a checkpoint's files without transformers' modelling.
+"""The Llama-family module tree the engine decodes with, loaded from a checkpoint's files without transformers'
+modelling.
 
 The engine never calls transformers' forward: model/llama.py runs its own over the weights. An actor that loaded the
 model through `AutoModelForCausalLM` paid some 3 s of imports on 2 cores first (transformers' config and modelling
@@ -18,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 @dataclass
@@ -178,8 +180,7 @@ def load(directory: str | Path, dtype: torch.dtype) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(p, eos)
     state = {k: v.to(dtype) for k, v in _state(directory).items() if not k.endswith("rotary_emb.inv_freq")}
-    if p.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if p.tie_word_embeddings:  # a tied checkpoint may store the head or not
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     if p.tie_word_embeddings:

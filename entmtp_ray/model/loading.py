@@ -263,9 +263,7 @@ def _tokenizer(path: str):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    return _transformers_tokenizer(path)
 
 
 def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "auto",

@@ -22,8 +22,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from entmtp_ray.pipeline.outputs import finished_keys, summarize
 from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, output_keys
 from entmtp_ray.pipeline.sources import ColumnScan, Location, Source, file_format, file_label, read_file, scan_file
-from entmtp_ray.pipeline.tasks import (PromptSpec, hub_chunks, open_source, sample_keys, sharegpt_chunks, standardize,
-                                       typed)
+from entmtp_ray.pipeline.tasks import (EMPTY, PromptSpec, hub_chunks, iter_chunks, open_source, sample_keys,
+                                       sharegpt_chunks, standardize, typed)
 
 SAMPLE_KEY = "_sample_key"
 
@@ -154,15 +154,11 @@ def small_local(source: Source) -> bool:
 
 
 def read_here(spec: PromptSpec, source: Source) -> pa.Table:
-    """The prompt rows of a typed spec's files (small_local), read in this process as a read task would read them:
-    on 2 cores the read, --limit's sort (a map and a reduce) and the limit each took a worker process that imported
-    Ray Data (2-3 s of CPU apiece) while the first actor imported the model on the same cores (issue 50)."""
-    reader = PromptFiles(source, spec)
-    tables = []
-    for path in source.files:
-        with reader._open_input_source(source.filesystem, path) as f:
-            tables.extend(reader._read_stream(f, path))
-    return pa.concat_tables(tables, promote_options="default")
+    """The prompt rows of a typed spec's files (small_local), read in this process (tasks.iter_chunks) into the rows a
+    read task makes of them: on 2 cores the read, --limit's sort (a map and a reduce) and the limit each took a worker
+    process that imported Ray Data (2-3 s of CPU apiece) while the first actor imported the model (issue 50)."""
+    chunks = [standardize(chunk, spec, label) for chunk, label in iter_chunks(spec, source)]
+    return pa.concat_tables(chunks, promote_options="default") if chunks else EMPTY.empty_table()
 
 
 def sample_here(table: pa.Table, limit: int, seed: int) -> pa.Table:

@@ -309,10 +309,11 @@ def typed(spec: PromptSpec, scan: ColumnScan) -> PromptSpec:
     return dataclasses.replace(spec, column_types=tuple(kinds.items()))
 
 
-def iter_chunks(spec: PromptSpec):
-    """(records, file label) chunks of a spec, read in this process (for load_prompts)."""
+def iter_chunks(spec: PromptSpec, source: Source | None = None):
+    """(records, file label) chunks of a spec, read in this process (for load_prompts, and a job's small local
+    dataset: streams.read_here); `source`: the spec's files, if already listed."""
     if spec.kind == "files":
-        source = open_source(spec)
+        source = source or open_source(spec)
         types = spec.types if spec.types is not None else typed(spec, scan_source(source, spec.text_columns)).types
         for file in source.files:
             label = source.label(file)
