@@ -166,7 +166,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fixed_order_attention", &fo::fixed_order_attention);
   m.def("rows_linear", &rp::rows_linear);
   pybind11::class_<step::Model>(m, "Model")
-      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double>())
       .def("forward", &step::Model::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 """

@@ -26,11 +26,13 @@ import torch
 from entmtp_ray.model import native
 from entmtp_ray.model.quant import INT4_GROUP, quantized_values
 
-KINDS = {(torch.float32, "none"): 0, (torch.bfloat16, "none"): 1, "int8": 2, "int4": 3}
+KINDS = {(torch.float32, "none"): 0, (torch.bfloat16, "none"): 1, "int8": 2, "int4": 3, "q8_0": 4}
 
 # the kernel's C++ is csrc/products.cpp, compiled with the others by native.kernel()
 
 _DISABLED = os.environ.get("ENTMTP_NATIVE_PRODUCTS", "1") == "0"
+# fp32 weights that are exactly GGUF blocks kept as those blocks (`exact_blocks`); 0 keeps every fp32 weight in fp32
+_EXACT_BLOCKS = os.environ.get("ENTMTP_EXACT_BLOCKS", "1") != "0"
 _NONE = torch.empty(0)
 _switch = native.ThreadSwitch()  # switched_off()
 
@@ -56,9 +58,11 @@ def takes(weight: torch.Tensor, scheme: str) -> bool:
 class NativeWeight:
     """One weight [out, in] in the kernel's layout; called as x W^T (+ bias) for x [..., in]."""
 
-    data: torch.Tensor  # fp32 / bf16 [out, in] (the weight itself), int8 [out, in], int4 bytes [out, in / 2]
+    data: torch.Tensor  # fp32 / bf16 [out, in] (the weight itself), int8 / q8_0 [out, in], int4 bytes [out, in / 2]
     kind: int  # KINDS
-    scales: torch.Tensor  # int8: fp32 [out]; int4: fp32 [out, in / 32, 2] (d, m) with w = d * q + m; else empty
+    # int8: fp32 [out]; int4: fp32 [out, in / 32, 2] (d, m) with w = d * q + m; q8_0: fp32 [out, in / 32] (d) with
+    # w = d * q; else empty
+    scales: torch.Tensor
     out_features: int  # the weight's; `data` and `scales` hold rows up to a multiple of 4 (zeros past it)
     scheme: str
 
@@ -69,6 +73,10 @@ class NativeWeight:
         ATen's kernels take)."""
         out_features = weight.shape[0]
         if scheme == "none":
+            blocks = exact_blocks(weight) if _EXACT_BLOCKS and weight.dtype == torch.float32 else None
+            if blocks is not None:
+                kind, data, scales = blocks
+                return cls(_fill(data), kind, _fill(scales), out_features, scheme)
             return cls(_fill(weight.detach()), KINDS[weight.dtype, "none"], _NONE, out_features, scheme)
         values, scales = quantized_values(weight, scheme)
         if scheme == "int8":
@@ -105,8 +113,62 @@ def _fill(rows: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """int4 values [out, in] (0..15) as bytes [out, in / 2]: each group of 32 in 16 bytes, value i of the group in
-    byte i's low nibble and value i + 16 in its high one (GGUF's Q4_1 order)."""
+    """int4 values [out, in] (0..15) as bytes [out, in / 2]: byte k of a row holds value 2k in its low nibble and
+    value 2k + 1 in its high one, so each 4-byte word holds 8 consecutive values, the first in its lowest nibble (the
+    kernel widens a word to 8 lanes by one shift per lane)."""
     out_features, in_features = values.shape
-    groups = values.reshape(out_features, in_features // INT4_GROUP, 2, INT4_GROUP // 2).to(torch.uint8)
-    return (groups[:, :, 0] | groups[:, :, 1] << 4).reshape(out_features, in_features // 2).contiguous()
+    pairs = values.reshape(out_features, in_features // 2, 2).to(torch.uint8)
+    return (pairs[..., 0] | pairs[..., 1] << 4).contiguous()
+
+
+_GROUP = 32  # GGUF's block: Q4_1 and Q8_0 alike
+
+
+def exact_blocks(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """(kind, data, scales) holding fp32 `weight` [out, in] exactly, where every group of 32 inputs is a GGUF block
+    dequantized: Q4_1 (w = d * q + m, q in 0..15, d an fp16 value, m one too) as int4, else Q8_0 (w = d * q, q in
+    -127..127, d an fp16 value) as q8_0; None where any group is not (a trained or converted fp32 weight).
+
+    The kernel widens such a block to the very fp32 values the weight holds (d * q is exact in fp32: 11 bits of d
+    times at most 8 of q, so d * q + m rounds once, as the dequantization did), so every product is the fp32 one bit
+    for bit, reading 0.75 (int4) or 1.125 (q8_0) bytes a weight instead of 4. The embedded model's layers are Q4_1 and
+    its embedding Q8_0 (its GGUF). Each candidate is checked on every value: a weight either rebuilds exactly or
+    stays fp32."""
+    out_features, in_features = weight.shape
+    if in_features % _GROUP or not torch.isfinite(weight[:1]).all():
+        return None
+    with torch.no_grad():
+        groups = weight.detach().reshape(out_features, in_features // _GROUP, _GROUP)
+        # the first output's groups first: most weights that are not blocks show it there, at 1/out of the cost
+        found = _q4_1(groups[:1]) and _q4_1(groups)
+        if found is not None:
+            values, d, m = found
+            return KINDS["int4"], pack_int4(values.reshape(out_features, in_features)), torch.stack([d, m], -1)
+        found = _q8_0(groups[:1]) and _q8_0(groups)
+        if found is not None:
+            values, d = found
+            return KINDS["q8_0"], values.reshape(out_features, in_features), d
+    return None
+
+
+def _q4_1(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(values uint8 [out, groups, 32], d, m [out, groups]) rebuilding `groups` exactly as Q4_1 blocks, or None."""
+    low = groups.amin(-1)
+    if not torch.equal(low.half().float(), low):  # Q4_1 stores the group's minimum as m (fp16): q = 0 there
+        return None
+    # the largest value has q = 15 (it quantizes to 15.5 rounded down), so d is its distance over 15, rounded to fp16
+    d = ((groups.amax(-1) - low) / 15).half().float()
+    values = torch.round((groups - low[..., None]) / d.clamp(min=torch.finfo(torch.float32).tiny)[..., None])
+    values = values.clamp(0, 15)
+    if not torch.equal(d[..., None] * values + low[..., None], groups):
+        return None
+    return values.to(torch.uint8), d.contiguous(), low.contiguous()
+
+
+def _q8_0(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values int8 [out, groups, 32], d [out, groups]) rebuilding `groups` exactly as Q8_0 blocks, or None."""
+    d = (groups.abs().amax(-1) / 127).half().float()
+    values = torch.round(groups / d.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127)
+    if not torch.equal(d[..., None] * values, groups):
+        return None
+    return values.to(torch.int8), d.contiguous()

@@ -106,11 +106,13 @@ def quantized_values(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, t
 def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [out, in] int32 in 0..15, scale and zero [in / group, out, 2] in `dtype`) of fp32 `w`, asymmetric per
     group of `group` inputs, in the kernels' convention w = (value - 8) * scale + zero. The values are rounded
-    against the stored (rounded) scale and zero, so they are the nearest the stored numbers can give."""
+    against the stored (rounded) scale and zero, so they are the nearest the stored numbers can give. The scale
+    keeps bf16's 8 significant bits in any `dtype`, so that scale * value (4 bits) is exact in fp32: the row products
+    widen a weight with one FMA, which rounds as a multiply then an add does only where the product is exact."""
     out_features, in_features = w.shape
     groups = w.reshape(out_features, in_features // group, group)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, in / group]
-    scale = ((high - low) / 15).clamp(min=1e-12).to(dtype)
+    scale = ((high - low) / 15).clamp(min=1e-12).to(torch.bfloat16).to(dtype)
     zero = (low + 8 * scale.float()).to(dtype)
     values = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in / group, out, 2]

@@ -31,9 +31,9 @@ def build(plan) -> object | None:
     ENTMTP_NATIVE_STEP=0. Built once per model and projections (`for_model`)."""
     first = plan.layers[0]
     projections = [p for layer in plan.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    kinds = {p.native.kind if p.native is not None else None for p in projections}
+    kinds = [p.native.kind if p.native is not None else None for p in projections]
     if (_DISABLED or first.input_norm.weight.dtype != torch.float32 or first.input_norm.weight.device.type != "cpu"
-            or len(kinds) != 1 or not kinds <= {0, 2, 3} or any(p.native.filled for p in projections if p.native)
+            or not set(kinds) <= {0, 2, 3, 4} or any(p.native.filled for p in projections if p.native)
             or any(p.bias is not None for layer in plan.layers
                                                                  for p in (layer.o, layer.gate_up, layer.down))
             or not attention.fixed_order_ready()):
@@ -49,7 +49,7 @@ def build(plan) -> object | None:
             tensors += [p.native.data, p.native.scales]
             if p is layer.qkv:
                 tensors.append(empty if p.bias is None else p.bias.detach().float().contiguous())
-    return module.Model(tensors, kinds.pop(), first.heads, first.kv_heads, first.head_dim, first.input_norm.eps,
+    return module.Model(tensors, kinds, first.heads, first.kv_heads, first.head_dim, first.input_norm.eps,
                         first.scaling)
 
 

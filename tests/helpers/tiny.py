@@ -44,3 +44,38 @@ def tiny_with_heads():
 
     model = make_tiny_llama()
     return tiny_loaded(model), HydraDrafter(init_heads(model, num_heads=3, num_layers=1, seed=1), model)
+
+
+def gguf_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] quantized to GGUF Q4_1 blocks and dequantized back to fp32, as llama.cpp's reference
+    quantizer and gguf's dequantizer do: per 32 inputs m = the minimum, d = the range / 15 (both stored as fp16),
+    q = floor((x - min) / d + 0.5) with the unrounded d, and w = d * q + m in fp32."""
+    groups = weight.detach().float().reshape(weight.shape[0], -1, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    d = (high - low) / 15
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.floor((groups - low) * inverse + 0.5).clamp(0, 15)
+    return (d.half().float() * q + low.half().float()).reshape(weight.shape)
+
+
+def gguf_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] quantized to GGUF Q8_0 blocks and dequantized back: per 32 inputs d = max |x| / 127 (stored
+    as fp16), q = round(x / d) with the unrounded d, w = d * q in fp32."""
+    groups = weight.detach().float().reshape(weight.shape[0], -1, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (d.half().float() * torch.round(groups * inverse)).reshape(weight.shape)
+
+
+def as_gguf_blocks(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """`model` with its decoder layers' weights as Q4_1 blocks and its embedding / lm_head as Q8_0 ones, dequantized
+    to fp32: the embedded SmolLM2's layout (its GGUF), which the row products keep as blocks (products.exact_blocks)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(gguf_q4_1(module.weight))
+        model.lm_head.weight.copy_(gguf_q8_0(model.lm_head.weight))
+        if model.model.embed_tokens.weight is not model.lm_head.weight:
+            model.model.embed_tokens.weight.copy_(gguf_q8_0(model.model.embed_tokens.weight))
+    return model

@@ -6,6 +6,7 @@ import torch
 
 from entmtp_ray.model import products
 from entmtp_ray.model.quant import quantized_values
+from helpers import tiny
 
 pytestmark = pytest.mark.skipif(not products.native_ready(), reason="no C++ compiler: the row products are not built")
 
@@ -50,13 +51,32 @@ def test_each_kind_computes_x_w_transposed_and_every_row_rounds_alike_at_any_row
         torch.set_num_threads(threads)
 
 
-def test_int4_bytes_hold_a_group_as_gguf_q4_1_does():
+@pytest.mark.parametrize("blocks,kind", [("q4_1", "int4"), ("q8_0", "q8_0")])
+def test_fp32_weights_that_are_gguf_blocks_are_kept_as_them_and_multiply_bitwise_as_the_fp32_weight(blocks, kind):
+    g = torch.Generator().manual_seed(4)
+    raw = torch.randn(40, 96, generator=g) * 0.1
+    raw[3, 32:64] = 0.25  # a group of one value: d = 0
+    weight = (tiny.gguf_q4_1 if blocks == "q4_1" else tiny.gguf_q8_0)(raw)
+    held = products.NativeWeight.of(weight, "none")
+    assert held.kind == products.KINDS[kind] and held.scheme == "none"
+    fp32 = products.NativeWeight(weight, products.KINDS[torch.float32, "none"], torch.empty(0), 40, "none")
+    x = torch.randn(9, 96, generator=g)
+    for rows in (1, 2, 3, 4, 5, 9):
+        assert torch.equal(held(x[:rows]), fp32(x[:rows])), rows
+    nudged = weight.clone()
+    nudged[7, 50] = torch.nextafter(nudged[7, 50], torch.tensor(1.0))  # one value off its block: kept in fp32
+    assert products.exact_blocks(nudged) is None
+    assert products.exact_blocks(raw) is None and products.NativeWeight.of(raw, "none").kind == fp32.kind
+
+
+def test_int4_bytes_hold_consecutive_values_low_nibble_first():
     values = torch.arange(64, dtype=torch.int32).remainder(16).reshape(1, 64)
     packed = products.pack_int4(values)
     assert packed.shape == (1, 32) and packed.dtype == torch.uint8
-    # byte i of a group: value i in the low nibble, value i + 16 in the high one
-    assert [int(b) for b in packed[0, :2]] == [0 | 0 << 4, 1 | 1 << 4]
-    assert int(packed[0, 16]) == 0 | (16 % 16) << 4
+    # byte k: value 2k in the low nibble, value 2k + 1 in the high one; a little-endian word, 8 values lowest first
+    assert [int(b) for b in packed[0, :3]] == [0 | 1 << 4, 2 | 3 << 4, 4 | 5 << 4]
+    word = int.from_bytes(bytes(packed[0, 4:8].tolist()), "little")
+    assert [(word >> (4 * j)) & 15 for j in range(8)] == list(range(8, 16))
 
 
 def test_a_projection_on_cpu_takes_the_row_products_and_training_keeps_autograd():

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from entmtp_ray.model import native, step
+from entmtp_ray.model import native, products, step
 from entmtp_ray.model.kernels import prepare, quantize_model
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
-from helpers.tiny import make_tiny_llama
+from helpers.tiny import as_gguf_blocks, make_tiny_llama
 
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no C++ compiler: the native step is not built")
 
@@ -21,17 +21,28 @@ def _cache(model, capacity=64) -> KVCache:
                    torch.float32, "cpu")
 
 
-@pytest.fixture(scope="module", params=["none", "int8", "int4"])
+@pytest.fixture(scope="module", params=["none", "int8", "int4", "gguf-blocks"])
 def model(request):
     model = make_tiny_llama()
-    if request.param != "none":
+    if request.param == "gguf-blocks":  # fp32 weights that are Q4_1 blocks: the step multiplies the blocks
+        as_gguf_blocks(model)
+    elif request.param != "none":
         quantize_model(model, request.param)
+    model.scheme_under_test = request.param
     return model
+
+
+_KINDS = {"none": products.KINDS[torch.float32, "none"], "int8": products.KINDS["int8"],
+          "int4": products.KINDS["int4"], "gguf-blocks": products.KINDS["int4"]}
 
 
 def test_the_step_serves_the_model_and_gives_the_python_layers_result(model, monkeypatch):
     plan = prepare(model)
     assert step.for_model(model, plan) is not None
+    kinds = {p.native.kind for layer in plan.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+    assert kinds == {_KINDS[model.scheme_under_test]}
+    if model.scheme_under_test == "gguf-blocks":
+        assert plan.lm_head.native.kind == products.KINDS["q8_0"]
     tokens, positions = torch.tensor([5, 17, 3, 60, 2]), torch.arange(5)
     with torch.inference_mode():
         native_cache, python_cache = _cache(model), _cache(model)

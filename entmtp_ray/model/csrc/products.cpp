@@ -20,55 +20,83 @@ static inline float lanes(vec a) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-typedef uint8_t bytes16 __attribute__((vector_size(16)));
-typedef float vec16 __attribute__((vector_size(64)));
-static inline vec16 splat16(float x) { return vec16{} + x; }
-static inline void store16(float* p, vec16 x) { std::memcpy(p, &x, 64); }
 
 constexpr int64_t NB = 4;  // outputs per block
 
-// widen outputs [o, o + NB) of the weight to fp32 rows of `buf` ([NB, K]); returns pointers to the NB rows
+// the 32 weights of group g of output o widened to fp32 in 4 vectors: the same values `widen` writes
+template <int KIND>
+static inline void widen_group(const void* w, const float* sc, int64_t o, int64_t g, int64_t K, vec* out) {
+#if defined(__AVX2__)
+  if (KIND == 3) {
+    // a group's 16 bytes as 4 words, word i holding values 8i..8i+7 in its nibbles from the lowest: each word
+    // broadcast, shifted per lane and masked is 8 values, with no shuffle across lanes
+    const int32_t* words = static_cast<const int32_t*>(w) + (o * (K / 2) + g * 16) / 4;
+    const float* dm = sc + (o * (K / 32) + g) * 2;
+    const __m256 d = _mm256_set1_ps(dm[0]), m = _mm256_set1_ps(dm[1]);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(words[i]), shifts), mask);
+      // d * q is exact in fp32 (d has at most 11 significant bits, q 4: quant.quantize_int4, exact_blocks), so
+      // d * q + m rounds once, with FMA or without: the generic code's values
+      out[i] = fmadd((vec)d, (vec)_mm256_cvtepi32_ps(q), (vec)m);
+    }
+    return;
+  }
+  if (KIND == 4) {
+    const int8_t* src = static_cast<const int8_t*>(w) + o * K + g * 32;
+    const __m256 d = _mm256_set1_ps(sc[o * (K / 32) + g]);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
+      out[i] = (vec)_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+    return;
+  }
+#endif
+  if (KIND == 0) {
+    const float* src = static_cast<const float*>(w) + o * K + g * 32;
+    for (int i = 0; i < 4; ++i) out[i] = load(src + 8 * i);
+    return;
+  }
+  float buf[32];
+  if (KIND == 1) {
+    const uint16_t* src = static_cast<const uint16_t*>(w) + o * K + g * 32;
+    for (int k = 0; k < 32; ++k) {
+      uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+      std::memcpy(buf + k, &bits, 4);
+    }
+  } else if (KIND == 2) {
+    const int8_t* src = static_cast<const int8_t*>(w) + o * K + g * 32;
+    for (int k = 0; k < 32; ++k) buf[k] = static_cast<float>(src[k]);
+  } else if (KIND == 4) {
+    const int8_t* src = static_cast<const int8_t*>(w) + o * K + g * 32;
+    const float d = sc[o * (K / 32) + g];
+    for (int k = 0; k < 32; ++k) buf[k] = d * static_cast<float>(src[k]);
+  } else {  // int4: byte k of the group holds value 2k in its low nibble, 2k + 1 in its high one
+    const uint8_t* src = static_cast<const uint8_t*>(w) + o * (K / 2) + g * 16;
+    const float d = sc[(o * (K / 32) + g) * 2], m = sc[(o * (K / 32) + g) * 2 + 1];
+    for (int k = 0; k < 16; ++k) {
+      buf[2 * k] = d * static_cast<float>(src[k] & 15) + m;
+      buf[2 * k + 1] = d * static_cast<float>(src[k] >> 4) + m;
+    }
+  }
+  for (int i = 0; i < 4; ++i) out[i] = load(buf + 8 * i);
+}
+
+// widen outputs [o, o + NB) of the weight to fp32 rows of `buf` ([NB, K]); returns pointers to the NB rows (fp32:
+// the weight's own)
 template <int KIND>
 static void widen(const void* w, const float* sc, int64_t o, int64_t K, float* buf, const float** rows) {
   for (int64_t j = 0; j < NB; ++j) {
-    float* dst = buf + j * K;
     if (KIND == 0) {
       rows[j] = static_cast<const float*>(w) + (o + j) * K;
       continue;
     }
+    float* dst = buf + j * K;
     rows[j] = dst;
-    if (KIND == 1) {
-      const uint16_t* src = static_cast<const uint16_t*>(w) + (o + j) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
-        std::memcpy(dst + k, &bits, 4);
-      }
-    } else if (KIND == 2) {
-      const int8_t* src = static_cast<const int8_t*>(w) + (o + j) * K;
-      for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k]);
-    } else {  // int4: [O, K / 2] bytes, a group of 32 in 16 bytes (low nibbles the first 16); sc [O, K / 32, 2]
-      const uint8_t* src = static_cast<const uint8_t*>(w) + (o + j) * (K / 2);
-      const float* dm = sc + (o + j) * (K / 32) * 2;
-      for (int64_t g = 0; g < K / 32; ++g) {
-#if defined(__AVX2__)
-        const __m256 d = _mm256_set1_ps(dm[2 * g]), m = _mm256_set1_ps(dm[2 * g + 1]);
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + g * 16)), mask = _mm_set1_epi8(15);
-        const __m128i nib[2] = {_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask)};
-        for (int h = 0; h < 2; ++h)
-          for (int e = 0; e < 2; ++e) {
-            const __m128i part = e ? _mm_srli_si128(nib[h], 8) : nib[h];
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part));
-            _mm256_storeu_ps(dst + g * 32 + h * 16 + e * 8, _mm256_add_ps(_mm256_mul_ps(d, q), m));
-          }
-#else
-        const vec16 d = splat16(dm[2 * g]), m = splat16(dm[2 * g + 1]);
-        bytes16 b;
-        std::memcpy(&b, src + g * 16, 16);
-        const vec16 low = __builtin_convertvector(b & 15, vec16), high = __builtin_convertvector(b >> 4, vec16);
-        store16(dst + g * 32, d * low + m);
-        store16(dst + g * 32 + 16, d * high + m);
-#endif
-      }
+    for (int64_t g = 0; g < K / 32; ++g) {
+      vec v[4];
+      widen_group<KIND>(w, sc, o + j, g, K, v);
+      std::memcpy(dst + g * 32, v, sizeof(v));
     }
   }
 }
@@ -91,23 +119,61 @@ static inline void block_rows(const float* x0, const float* x1, const float* con
   if (TWO) { y1[0] = lanes(b0); y1[1] = lanes(b1); y1[2] = lanes(b2); y1[3] = lanes(b3); }
 }
 
+// up to four rows against the block's NB outputs, each group of 32 weights widened in registers as it is used (no
+// buffer: at few rows the widening is most of the work), JB outputs at a time so that the JB * ROWS sums stay in
+// registers. Every (row, output) sums in the order block_rows does
+template <int KIND, int ROWS>
+static inline void block_few(const float* const* x, const void* w, const float* sc, int64_t o, int64_t K,
+                             float part[4][NB]) {
+  constexpr int JB = ROWS <= 2 ? NB : 2;
+  for (int64_t j0 = 0; j0 < NB; j0 += JB) {
+    vec acc[JB][ROWS] = {};
+    for (int64_t g = 0; g < K / 32; ++g)
+      for (int64_t j = 0; j < JB; ++j) {
+        vec wv[4];
+        widen_group<KIND>(w, sc, o + j0 + j, g, K, wv);
+        for (int r = 0; r < ROWS; ++r)
+          for (int i = 0; i < 4; ++i) acc[j][r] = fmadd(load(x[r] + g * 32 + 8 * i), wv[i], acc[j][r]);
+      }
+    for (int r = 0; r < ROWS; ++r)
+      for (int64_t j = 0; j < JB; ++j) part[r][j0 + j] = lanes(acc[j][r]);
+  }
+}
+
 template <int KIND>
 static void run(const float* x, const void* w, const float* sc, const float* bias, float* y, int64_t R, int64_t K,
                 int64_t O) {
   at::parallel_for(0, O / NB, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(KIND == 0 ? 0 : NB * K);
+    // few rows: widen in registers as the sums go; more: widen a block once into L1 and run every row over it
+    const bool few = KIND != 0 && R <= 4;  // fp32 needs no widening: its rows are read in place
+    std::vector<float> buf(KIND == 0 || few ? 0 : NB * K);
     const float* rows[NB];
-    float part[2][NB];
+    float part[4][NB];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t o = blk * NB;
-      widen<KIND>(w, sc, o, K, buf.data(), rows);
+      int64_t done = 0;
+      if (few) {
+        const float* xs[4] = {x, x + K, x + 2 * K, x + 3 * K};
+        switch (R) {
+          case 1: block_few<KIND, 1>(xs, w, sc, o, K, part); break;
+          case 2: block_few<KIND, 2>(xs, w, sc, o, K, part); break;
+          case 3: block_few<KIND, 3>(xs, w, sc, o, K, part); break;
+          default: block_few<KIND, 4>(xs, w, sc, o, K, part); break;
+        }
+        done = R;
+      } else {
+        widen<KIND>(w, sc, o, K, buf.data(), rows);
+      }
       for (int64_t r = 0; r < R; r += 2) {
-        if (r + 1 < R) block_rows<true>(x + r * K, x + (r + 1) * K, rows, K, part[0], part[1]);
-        else block_rows<false>(x + r * K, nullptr, rows, K, part[0], nullptr);
+        if (r >= done) {
+          if (r + 1 < R) block_rows<true>(x + r * K, x + (r + 1) * K, rows, K, part[0], part[1]);
+          else block_rows<false>(x + r * K, nullptr, rows, K, part[0], nullptr);
+        }
         for (int64_t i = 0; i < 2 && r + i < R; ++i) {
           float* out = y + (r + i) * O + o;
+          const float* p = part[r >= done ? i : r + i];
           for (int64_t j = 0; j < NB; ++j) {
-            float s = part[i][j];
+            float s = p[j];
             if (KIND == 2) s = s * sc[o + j];
             out[j] = bias ? s + bias[o + j] : s;
           }
@@ -134,7 +200,8 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, int64_t kind, torch:
     case 1: run<1>(xp, wp, sc, b, yp, R, K, O); break;
     case 2: run<2>(xp, wp, sc, b, yp, R, K, O); break;
     case 3: run<3>(xp, wp, sc, b, yp, R, K, O); break;
-    default: TORCH_CHECK(false, "rows_linear: kind 0..3");
+    case 4: run<4>(xp, wp, sc, b, yp, R, K, O); break;
+    default: TORCH_CHECK(false, "rows_linear: kind 0..4");
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

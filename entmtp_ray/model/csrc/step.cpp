@@ -8,7 +8,8 @@ static inline void linear(int64_t kind, const float* x, const torch::Tensor& w, 
     case 0: rp::run<0>(x, wp, s, bias, y, R, K, O); break;
     case 1: rp::run<1>(x, wp, s, bias, y, R, K, O); break;
     case 2: rp::run<2>(x, wp, s, bias, y, R, K, O); break;
-    default: rp::run<3>(x, wp, s, bias, y, R, K, O); break;
+    case 3: rp::run<3>(x, wp, s, bias, y, R, K, O); break;
+    default: rp::run<4>(x, wp, s, bias, y, R, K, O); break;
   }
 }
 
@@ -33,22 +34,25 @@ static inline fo::vec silu(fo::vec x) {
 
 struct Layer {
   torch::Tensor in_norm, post_norm, qkv, qkv_s, qkv_b, o, o_s, gate_up, gate_up_s, down, down_s;
+  int64_t qkv_kind, o_kind, gate_up_kind, down_kind;  // products.py's KINDS
 };
 
 struct Model {
   std::vector<Layer> layers;
-  int64_t kind, H, I, heads, kv, hd;
+  int64_t H, I, heads, kv, hd;
   double eps, scaling;
 
-  // per layer, 11 tensors in Layer's order (an empty tensor for no scales or no bias)
-  Model(std::vector<torch::Tensor> t, int64_t kind, int64_t heads, int64_t kv, int64_t hd, double eps, double scaling)
-      : kind(kind), heads(heads), kv(kv), hd(hd), eps(eps), scaling(scaling) {
-    TORCH_CHECK(t.size() % 11 == 0, "11 tensors a layer");
-    for (size_t i = 0; i < t.size(); i += 11)
+  // per layer, 11 tensors in Layer's order (an empty tensor for no scales or no bias) and 4 kinds (q/k/v, o,
+  // gate/up, down)
+  Model(std::vector<torch::Tensor> t, std::vector<int64_t> kinds, int64_t heads, int64_t kv, int64_t hd, double eps,
+        double scaling)
+      : heads(heads), kv(kv), hd(hd), eps(eps), scaling(scaling) {
+    TORCH_CHECK(t.size() % 11 == 0 && kinds.size() * 11 == t.size() * 4, "11 tensors and 4 kinds a layer");
+    for (size_t i = 0, l = 0; i < t.size(); i += 11, l += 4)
       layers.push_back(Layer{t[i], t[i + 1], t[i + 2], t[i + 3], t[i + 4], t[i + 5], t[i + 6], t[i + 7], t[i + 8],
-                             t[i + 9], t[i + 10]});
+                             t[i + 9], t[i + 10], kinds[l], kinds[l + 1], kinds[l + 2], kinds[l + 3]});
     H = layers[0].in_norm.numel();
-    I = layers[0].down.size(1) * (kind == 3 ? 2 : 1);
+    I = layers[0].down.size(1) * (layers[0].down_kind == 3 ? 2 : 1);
   }
 
   // x [n, H] fp32 (the embeddings): the last layer's output [n, H]. cos, ssin [n, hd]: `llama.rotary_tables`'.
@@ -74,7 +78,7 @@ struct Model {
       float* kl = k.data_ptr<float>() + l * kv * cap * hd;
       float* vl = v.data_ptr<float>() + l * kv * cap * hd;
       rms_norm(hp, y.in_norm.data_ptr<float>(), normed.data(), n, H, eps);
-      linear(kind, normed.data(), y.qkv, y.qkv_s, y.qkv_b.numel() ? y.qkv_b.data_ptr<float>() : nullptr, qkv.data(),
+      linear(y.qkv_kind, normed.data(), y.qkv, y.qkv_s, y.qkv_b.numel() ? y.qkv_b.data_ptr<float>() : nullptr, qkv.data(),
              n, H, width);
       // rotary on q (into [heads, n, hd]: a key/value group's query heads folded into its rows) and k (into the
       // cache); v copied
@@ -95,16 +99,16 @@ struct Model {
       for (int64_t head = 0; head < heads; ++head)  // [heads, n, hd] -> [n, heads * hd]
         for (int64_t r = 0; r < n; ++r)
           std::memcpy(flat.data() + (r * heads + head) * hd, att.data() + (head * n + r) * hd, hd * sizeof(float));
-      linear(kind, flat.data(), y.o, y.o_s, nullptr, out.data(), n, heads * hd, H);
+      linear(y.o_kind, flat.data(), y.o, y.o_s, nullptr, out.data(), n, heads * hd, H);
       for (int64_t i = 0; i < n * H; ++i) hp[i] = hp[i] + out[i];
       rms_norm(hp, y.post_norm.data_ptr<float>(), normed.data(), n, H, eps);
-      linear(kind, normed.data(), y.gate_up, y.gate_up_s, nullptr, gu.data(), n, H, 2 * I);
+      linear(y.gate_up_kind, normed.data(), y.gate_up, y.gate_up_s, nullptr, gu.data(), n, H, 2 * I);
       for (int64_t r = 0; r < n; ++r) {
         const float* g = gu.data() + r * 2 * I;
         float* m = mixed.data() + r * I;
         for (int64_t i = 0; i < I; i += 8) fo::store(m + i, silu(fo::load(g + i)) * fo::load(g + I + i));
       }
-      linear(kind, mixed.data(), y.down, y.down_s, nullptr, out.data(), n, I, H);
+      linear(y.down_kind, mixed.data(), y.down, y.down_s, nullptr, out.data(), n, I, H);
       for (int64_t i = 0; i < n * H; ++i) hp[i] = hp[i] + out[i];
     }
     return h;
