@@ -82,25 +82,6 @@ static inline void widen_group(const void* w, const float* sc, int64_t o, int64_
   for (int i = 0; i < 4; ++i) out[i] = load(buf + 8 * i);
 }
 
-// widen outputs [o, o + NB) of the weight to fp32 rows of `buf` ([NB, K]); returns pointers to the NB rows (fp32:
-// the weight's own)
-template <int KIND>
-static void widen(const void* w, const float* sc, int64_t o, int64_t K, float* buf, const float** rows) {
-  for (int64_t j = 0; j < NB; ++j) {
-    if (KIND == 0) {
-      rows[j] = static_cast<const float*>(w) + (o + j) * K;
-      continue;
-    }
-    float* dst = buf + j * K;
-    rows[j] = dst;
-    for (int64_t g = 0; g < K / 32; ++g) {
-      vec v[4];
-      widen_group<KIND>(w, sc, o + j, g, K, v);
-      std::memcpy(dst + g * 32, v, sizeof(v));
-    }
-  }
-}
-
 // sums of rows r (and r + 1 when two) against the block's NB weight rows, written to y[r, o..o+NB)
 template <bool TWO>
 static inline void block_rows(const float* x0, const float* x1, const float* const* w, int64_t K, float* y0,
@@ -119,12 +100,11 @@ static inline void block_rows(const float* x0, const float* x1, const float* con
   if (TWO) { y1[0] = lanes(b0); y1[1] = lanes(b1); y1[2] = lanes(b2); y1[3] = lanes(b3); }
 }
 
-// up to four rows against the block's NB outputs, each group of 32 weights widened in registers as it is used (no
-// buffer: at few rows the widening is most of the work), JB outputs at a time so that the JB * ROWS sums stay in
-// registers. Every (row, output) sums in the order block_rows does
+// ROWS (1-4) rows against the block's NB outputs, each group of 32 weights widened in registers as it is used (no
+// buffer: the widening costs about what two rows' sums do), JB outputs at a time so that the JB * ROWS sums stay in
+// registers. Every (row, output) sums in the order block_rows does: part[r * NB + j]
 template <int KIND, int ROWS>
-static inline void block_few(const float* const* x, const void* w, const float* sc, int64_t o, int64_t K,
-                             float part[4][NB]) {
+static inline void block_few(const float* x, const void* w, const float* sc, int64_t o, int64_t K, float* part) {
   constexpr int JB = ROWS <= 2 ? NB : 2;
   for (int64_t j0 = 0; j0 < NB; j0 += JB) {
     vec acc[JB][ROWS] = {};
@@ -133,10 +113,10 @@ static inline void block_few(const float* const* x, const void* w, const float* 
         vec wv[4];
         widen_group<KIND>(w, sc, o + j0 + j, g, K, wv);
         for (int r = 0; r < ROWS; ++r)
-          for (int i = 0; i < 4; ++i) acc[j][r] = fmadd(load(x[r] + g * 32 + 8 * i), wv[i], acc[j][r]);
+          for (int i = 0; i < 4; ++i) acc[j][r] = fmadd(load(x + r * K + g * 32 + 8 * i), wv[i], acc[j][r]);
       }
     for (int r = 0; r < ROWS; ++r)
-      for (int64_t j = 0; j < JB; ++j) part[r][j0 + j] = lanes(acc[j][r]);
+      for (int64_t j = 0; j < JB; ++j) part[r * NB + j0 + j] = lanes(acc[j][r]);
   }
 }
 
@@ -144,39 +124,36 @@ template <int KIND>
 static void run(const float* x, const void* w, const float* sc, const float* bias, float* y, int64_t R, int64_t K,
                 int64_t O) {
   at::parallel_for(0, O / NB, 1, [&](int64_t begin, int64_t end) {
-    // few rows: widen in registers as the sums go; more: widen a block once into L1 and run every row over it
-    const bool few = KIND != 0 && R <= 4;  // fp32 needs no widening: its rows are read in place
-    std::vector<float> buf(KIND == 0 || few ? 0 : NB * K);
-    const float* rows[NB];
-    float part[4][NB];
+    // fp32 is read in place, two rows at a time; the other kinds widen each group in registers as it is used, for
+    // four rows at a time (each row's FMAs are the product's floor here: more rows a widening did not pay, measured)
+    std::vector<float> part(R * NB);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t o = blk * NB;
-      int64_t done = 0;
-      if (few) {
-        const float* xs[4] = {x, x + K, x + 2 * K, x + 3 * K};
-        switch (R) {
-          case 1: block_few<KIND, 1>(xs, w, sc, o, K, part); break;
-          case 2: block_few<KIND, 2>(xs, w, sc, o, K, part); break;
-          case 3: block_few<KIND, 3>(xs, w, sc, o, K, part); break;
-          default: block_few<KIND, 4>(xs, w, sc, o, K, part); break;
+      if (KIND == 0) {
+        const float* rows[NB];
+        for (int64_t j = 0; j < NB; ++j) rows[j] = static_cast<const float*>(w) + (o + j) * K;
+        for (int64_t r = 0; r < R; r += 2) {
+          if (r + 1 < R) block_rows<true>(x + r * K, x + (r + 1) * K, rows, K, &part[r * NB], &part[(r + 1) * NB]);
+          else block_rows<false>(x + r * K, nullptr, rows, K, &part[r * NB], nullptr);
         }
-        done = R;
       } else {
-        widen<KIND>(w, sc, o, K, buf.data(), rows);
-      }
-      for (int64_t r = 0; r < R; r += 2) {
-        if (r >= done) {
-          if (r + 1 < R) block_rows<true>(x + r * K, x + (r + 1) * K, rows, K, part[0], part[1]);
-          else block_rows<false>(x + r * K, nullptr, rows, K, part[0], nullptr);
-        }
-        for (int64_t i = 0; i < 2 && r + i < R; ++i) {
-          float* out = y + (r + i) * O + o;
-          const float* p = part[r >= done ? i : r + i];
-          for (int64_t j = 0; j < NB; ++j) {
-            float s = p[j];
-            if (KIND == 2) s = s * sc[o + j];
-            out[j] = bias ? s + bias[o + j] : s;
+        for (int64_t r = 0; r < R; r += 4) {
+          const float* xr = x + r * K;
+          float* pr = &part[r * NB];
+          switch (std::min<int64_t>(R - r, 4)) {
+            case 1: block_few<KIND, 1>(xr, w, sc, o, K, pr); break;
+            case 2: block_few<KIND, 2>(xr, w, sc, o, K, pr); break;
+            case 3: block_few<KIND, 3>(xr, w, sc, o, K, pr); break;
+            default: block_few<KIND, 4>(xr, w, sc, o, K, pr); break;
           }
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* out = y + r * O + o;
+        for (int64_t j = 0; j < NB; ++j) {
+          float v = part[r * NB + j];
+          if (KIND == 2) v = v * sc[o + j];
+          out[j] = bias ? v + bias[o + j] : v;
         }
       }
     }
