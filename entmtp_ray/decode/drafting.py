@@ -11,7 +11,7 @@ import torch
 
 from entmtp_ray.decode.tree import TreeBuffers
 from entmtp_ray.model.heads import HeadsPlan, HydraHeads
-from entmtp_ray.model.kernels import Projection
+from entmtp_ray.model.kernels import Projection, projection
 from entmtp_ray.model.kv_cache import KVCache
 
 
@@ -96,8 +96,9 @@ class HydraDrafter:
 
     def top_tokens(self, head: int, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """Head `head`'s k best tokens ([rows, k], best first) from its trunk output hidden [rows, H]."""
-        if self.projections is None:
-            return self.heads.project(head, hidden, self.lm_head).topk(k, dim=-1).indices  # over [rows, V]
+        if self.projections is None:  # over [rows, V], as drafting multiplies (`Projection.for_drafting`)
+            source = self.lm_head if self.heads.lm_heads is None else self.heads.lm_heads[head]
+            return projection(source).for_drafting()(hidden).topk(k, dim=-1).indices
         return self.vocab_ids[self.projections[head](hidden).topk(k, dim=-1).indices]  # over [rows, K]
 
 

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.layers import DecoderLayer, LlamaParams, RMSNorm
-from entmtp_ray.model.llama import attention_mask, decoder_layer, rotary_tables
+from entmtp_ray.model import step
+from entmtp_ray.model.llama import attention_mask, decoder_layer, native_layers, rotary_tables
 from entmtp_ray.model.kernels import LayerPlan, Projection, linear, projection
 
 CONFIG_FILE = "heads_config.json"
@@ -101,6 +102,7 @@ class HeadsPlan:
 
     prefix: LayerPlan | None
     trunks: tuple[HeadPlan, ...]
+    prefix_step: object | None = None  # the prefix layer as a native step (step.py), where one serves
 
 
 class HydraHeads(nn.Module):
@@ -137,7 +139,8 @@ class HydraHeads(nn.Module):
     def prepare(self) -> HeadsPlan:
         """The inference plan, with derived weights rebuilt for any weight changed since the last one."""
         prefix = LayerPlan.of(self.prefix_layer).for_drafting() if self.prefix_layer is not None else None
-        return HeadsPlan(prefix, tuple(HeadPlan.of(mlp) for mlp in self.mlps))
+        native = step.for_layers(self.prefix_layer, [prefix]) if prefix is not None else None
+        return HeadsPlan(prefix, tuple(HeadPlan.of(mlp) for mlp in self.mlps), native)
 
     def context(self, base_hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                 rotary_emb: nn.Module, plan: HeadsPlan | None = None) -> torch.Tensor:
@@ -148,6 +151,10 @@ class HydraHeads(nn.Module):
         """
         if self.prefix_layer is None:
             return base_hidden
+        if plan is not None and plan.prefix_step is not None and not torch.is_grad_enabled():
+            out = native_layers(plan.prefix_step, base_hidden, rotary_emb, cache, positions, None, plan.prefix.groups)
+            cache.commit(base_hidden.shape[0])
+            return self.prefix_norm(out)
         x = base_hidden[None]
         n = x.shape[1]
         layer_plan = plan.prefix if plan is not None else LayerPlan.of(self.prefix_layer)

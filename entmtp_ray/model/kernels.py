@@ -95,8 +95,18 @@ class Projection:
         return self.packed is not None or self.quantized is not None or self.native is not None
 
     def for_drafting(self) -> Projection:
-        """This projection with one-row products through the faster GEMV (`draft_gemv`)."""
-        return dataclasses.replace(self, draft_gemv=self.packed is not None)
+        """This projection for drafting, whose rounding no output depends on: one-row products through the faster
+        GEMV (`draft_gemv`) where oneDNN packs, and an fp32 weight for the row products in Q8_0 blocks (a quarter of
+        its bytes: `products.q8_0`). Made once per projection (the projection is remade when its weight changes)."""
+        made = self.__dict__.get("_drafting")
+        if made is None:
+            native = self.native
+            if native is not None and native.kind == products.KINDS[torch.float32, "none"] \
+                    and self.weight.shape[1] % 32 == 0:
+                native = products.q8_0(self.weight)
+            made = dataclasses.replace(self, draft_gemv=self.packed is not None, native=native)
+            object.__setattr__(self, "_drafting", made)  # a memo on a frozen dataclass: not a field
+        return made
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and not torch.is_grad_enabled():

@@ -232,12 +232,19 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)
 
 def _native_forward(native, base, r: Rows, plan: ModelPlan) -> torch.Tensor:
     """`forward_hidden` of one request through the native step (step.py): the layers in one C++ call."""
-    cache, n = r.cache, r.tokens.numel()
+    x = base.embed_tokens(r.tokens)  # [n, H]
+    return plan.norm(native_layers(native, x, base.rotary_emb, r.cache, r.positions, r.tree_mask,
+                                   plan.layers[0].groups))
+
+
+def native_layers(native, x: torch.Tensor, rotary_emb: torch.nn.Module, cache: KVCache, positions: torch.Tensor,
+                  tree_mask: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """The output [n, H] of the decoder layers a native step (step.py) holds, on inputs x [n, H] at `positions`,
+    their k/v written into `cache`'s pending block: `decoder_layer`'s work, one C++ call for all the layers."""
+    n = x.shape[0]
     if cache.length + n > cache.capacity:
         raise RuntimeError(f"KV cache overflow: {cache.length + n} > capacity {cache.capacity}")
-    x = base.embed_tokens(r.tokens)  # [n, H]
-    cos, signed_sin = rotary_tables(base.rotary_emb, x[None], r.positions)
-    mask = attention_mask(r.tree_mask, cache.length, n, x.device, plan.layers[0].groups)
-    hidden = native.forward(x.contiguous(), cos[0].contiguous(), signed_sin[0].contiguous(), cache.k, cache.v,
-                            cache.length, _NO_MASK if mask is None else mask)
-    return plan.norm(hidden)
+    cos, signed_sin = rotary_tables(rotary_emb, x[None], positions)
+    mask = attention_mask(tree_mask, cache.length, n, x.device, groups)
+    return native.forward(x.contiguous(), cos[0].contiguous(), signed_sin[0].contiguous(), cache.k, cache.v,
+                          cache.length, _NO_MASK if mask is None else mask)

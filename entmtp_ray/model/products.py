@@ -124,6 +124,19 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 _GROUP = 32  # GGUF's block: Q4_1 and Q8_0 alike
 
 
+def q8_0(weight: torch.Tensor) -> NativeWeight:
+    """fp32 `weight` [out, in] (in % 32) rounded to Q8_0 blocks, as llama.cpp quantizes them (per 32 inputs d = max
+    |w| / 127, an fp16 value, q = round(w / d)): 1.125 bytes a weight, within half a step of d of each value. For
+    products whose rounding no output depends on (drafting, `kernels.Projection.for_drafting`)."""
+    out_features, in_features = weight.shape
+    with torch.no_grad():
+        groups = weight.detach().float().reshape(out_features, in_features // _GROUP, _GROUP)
+        d = (groups.abs().amax(-1) / 127).half().float()
+        values = torch.round(groups / d.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127)
+    return NativeWeight(_fill(values.to(torch.int8).reshape(out_features, in_features)), KINDS["q8_0"],
+                        _fill(d.contiguous()), out_features, "none")
+
+
 def exact_blocks(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """(kind, data, scales) holding fp32 `weight` [out, in] exactly, where every group of 32 inputs is a GGUF block
     dequantized: Q4_1 (w = d * q + m, q in 0..15, d an fp16 value, m one too) as int4, else Q8_0 (w = d * q, q in

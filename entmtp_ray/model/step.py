@@ -25,16 +25,16 @@ from entmtp_ray.model import attention, native
 _DISABLED = os.environ.get("ENTMTP_NATIVE_STEP", "1") == "0"
 
 
-def build(plan) -> object | None:
-    """The native step of a model whose plan is `plan` (kernels.ModelPlan), or None where it does not serve: a model
-    not in fp32 on CPU, a projection the row products do not hold, no fixed-order attention, no compiler, or
-    ENTMTP_NATIVE_STEP=0. Built once per model and projections (`for_model`)."""
-    first = plan.layers[0]
-    projections = [p for layer in plan.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+def build(layers) -> object | None:
+    """The native step of decoder layers whose plans are `layers` (kernels.LayerPlan, in order), or None where it
+    does not serve: a model not in fp32 on CPU, a projection the row products do not hold, no fixed-order attention,
+    no compiler, or ENTMTP_NATIVE_STEP=0. Built once per model and projections (`for_model`, `for_layers`)."""
+    first = layers[0]
+    projections = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     kinds = [p.native.kind if p.native is not None else None for p in projections]
     if (_DISABLED or first.input_norm.weight.dtype != torch.float32 or first.input_norm.weight.device.type != "cpu"
             or not set(kinds) <= {0, 2, 3, 4} or any(p.native.filled for p in projections if p.native)
-            or any(p.bias is not None for layer in plan.layers
+            or any(p.bias is not None for layer in layers
                                                                  for p in (layer.o, layer.gate_up, layer.down))
             or not attention.fixed_order_ready()):
         return None
@@ -43,7 +43,7 @@ def build(plan) -> object | None:
         return None
     empty = torch.empty(0)
     tensors = []
-    for layer in plan.layers:
+    for layer in layers:
         tensors += [layer.input_norm.weight.detach().contiguous(), layer.post_attention_norm.weight.detach().contiguous()]
         for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
             tensors += [p.native.data, p.native.scales]
@@ -54,10 +54,16 @@ def build(plan) -> object | None:
 
 
 def for_model(model, plan) -> object | None:
-    """`build(plan)`, kept on the model until any of its projections is rebuilt (a weight replaced or requantized)."""
-    projections = tuple(p for layer in plan.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    cached = model.__dict__.get("_entmtp_step")
+    """`build(plan.layers)`, kept on the model until any of its projections is rebuilt (a weight replaced or
+    requantized)."""
+    return for_layers(model, plan.layers)
+
+
+def for_layers(owner, layers) -> object | None:
+    """`build(layers)`, kept on `owner` (the module holding them) until any of their projections is rebuilt."""
+    projections = tuple(p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    cached = owner.__dict__.get("_entmtp_step")
     if cached is None or len(cached[0]) != len(projections) or any(a is not b for a, b in zip(cached[0], projections)):
-        cached = (projections, build(plan))
-        model.__dict__["_entmtp_step"] = cached
+        cached = (projections, build(layers))
+        owner.__dict__["_entmtp_step"] = cached
     return cached[1]

@@ -3,6 +3,7 @@ weights (shared, and rebuilt when a weight changes), and drafting over a draft v
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from entmtp_ray.model.heads import HeadPlan
 from entmtp_ray.model.llama import forward_hidden, rotary_tables
 from entmtp_ray.model.kernels import Projection, _onednn_packing, fused_projections, linear
 from entmtp_ray.decode.tree import build_buffers, load_topology
+from entmtp_ray.model import products
 from helpers.tiny import make_tiny_llama
 
 # oneDNN's bf16 packing: built in, and a CPU with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT (not an AVX2-only one)
@@ -92,6 +94,18 @@ def test_head_plan_is_the_head_mlp(dtype):
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     heads.to(dtype)
     rows = torch.randn(4, 3 * model.config.hidden_size).to(dtype)
+    if dtype == torch.float32 and products.native_ready():
+        # fp32 drafting multiplies Q8_0 blocks of the weights (a quarter of the bytes; drafts only steer which
+        # tokens are verified): the MLP with its weights rounded so, up to the products' own rounding
+        blocked = copy.deepcopy(heads.mlps[1])
+        with torch.no_grad():
+            for module in blocked.modules():
+                if isinstance(module, torch.nn.Linear):
+                    held = products.q8_0(module.weight)
+                    module.weight.copy_(held.data.float() * held.scales.repeat_interleave(32, dim=1))
+        with torch.inference_mode():
+            torch.testing.assert_close(HeadPlan.of(heads.mlps[1])(rows), blocked(rows), atol=1e-4, rtol=1e-4)
+        return
     with torch.inference_mode():
         assert torch.equal(HeadPlan.of(heads.mlps[1])(rows), heads.mlps[1](rows))  # multi-row: same kernels
         tol = 0 if dtype == torch.float32 else 2e-2  # one bf16 row: native GEMV, rounded its own way
