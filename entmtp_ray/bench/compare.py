@@ -23,7 +23,7 @@ from entmtp_ray.decode.acceptance import greedy_up_to_tie
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.acceptance import row_generator
 from entmtp_ray.decode.results import GenerationResult, StepTrace
-from entmtp_ray.model.kernels import linear
+from entmtp_ray.model.kernels import linear, prepare
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.loading import LoadedModel, embedded_source, synchronize
@@ -135,9 +135,19 @@ def compare_greedy(got: list[int], want: list[int], want_logits: torch.Tensor, d
 
 
 def weight_read_seconds(loaded: LoadedModel, repeats: int = 7) -> tuple[int, float]:
-    """Bytes of the model's weights (tied ones once) and the median seconds to read them all once at
-    this thread count: the memory floor of one AR step, which must stream every weight."""
-    params = list(loaded.model.parameters())
+    """Bytes of the weights a one-token step reads and the median seconds to read them all once at this thread
+    count: the memory floor of one AR step, which must stream every one. The products' own copies where they hold
+    one (exact GGUF blocks or quantized weights: what the step reads), else the parameter; the embedding (one row a
+    token) is left out, but for the lm_head's copy when tied."""
+    plan = prepare(loaded.model)
+    tensors = {}
+    for p in [q for layer in plan.layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [plan.lm_head]:
+        held = p.native or p.quantized
+        for t in (held.data, held.scales) if held is not None else (p.weight,):  # packed: the same bytes
+            tensors[t.data_ptr()] = t
+    for norm in [n for layer in plan.layers for n in (layer.input_norm, layer.post_attention_norm)] + [plan.norm]:
+        tensors[norm.weight.data_ptr()] = norm.weight
+    params = [t for t in tensors.values() if t.numel()]
     times = []
     with torch.inference_mode():
         for _ in range(repeats):

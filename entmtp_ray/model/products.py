@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from entmtp_ray.model import native
-from entmtp_ray.model.quant import INT4_GROUP, quantized_values
+from entmtp_ray.model.quant import quantized_values
 
 KINDS = {(torch.float32, "none"): 0, (torch.bfloat16, "none"): 1, "int8": 2, "int4": 3, "q8_0": 4}
 
