@@ -72,7 +72,8 @@ def _rank_rows(decoder, token_ids, first, max_ranks) -> tuple[list[list[int]], t
     hidden = forward_hidden(decoder.loaded.model, cache, ids, positions)  # [n, H]
     cache.keep(positions)
     prefix_cache = heads.new_cache(n, hidden.dtype, dev)
-    context = heads.context(hidden, positions, prefix_cache, drafter.rotary)  # [n, H]
+    plan = heads.prepare()  # what drafting runs (its products' drafting copies), so the ranks are drafting's
+    context = heads.context(hidden, positions, prefix_cache, drafter.rotary, plan)  # [n, H]
     embeds = drafter.embed(ids)  # [n, H]
     starts = torch.arange(first - 1, n - 1, device=dev)  # [m] step positions t (root t+1 exists)
     ranks = torch.full((starts.numel(), depth), NOT_RANKED, dtype=torch.long, device=dev)  # [m, depth]
@@ -83,7 +84,7 @@ def _rank_rows(decoder, token_ids, first, max_ranks) -> tuple[list[list[int]], t
         rows = torch.cat([context[t]] + [embeds[t + 1 + j] for j in range(k + 1)], dim=-1)  # [m_k, (k+2)H]
         # rank as drafting ranks (the drafter's own top-k, over its draft vocabulary): the position in
         # topk's order, which also settles ties the way the drafter does (bf16 logits tie often)
-        top = drafter.top_tokens(k, heads.head_hidden(k, rows), max_ranks[k])  # [m_k, max_rank]
+        top = drafter.top_tokens(k, plan.trunks[k](rows), max_ranks[k])  # [m_k, max_rank]
         hit = top == ids[t + 2 + k][:, None]  # [m_k, max_rank]
         ranks[: t.numel(), k] = torch.where(hit.any(-1), hit.int().argmax(-1), NOT_RANKED)
     out = []

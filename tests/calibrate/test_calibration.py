@@ -14,7 +14,8 @@ from entmtp_ray.decode.tree import load_topology
 
 def true_path_ranks(engine, seq, t, depth):
     """Reference for one step: commit seq[:t+1] through the drafter's own incremental API, then rank
-    each true token under the head that drafts it, grounded on the true tokens before it."""
+    each true token under the head that drafts it, grounded on the true tokens before it, as drafting computes
+    it (the drafter's plan: its trunk and its projection over the whole vocabulary)."""
     drafter, model = engine.decoder.drafter, engine.loaded.model
     ids = torch.tensor(seq)
     cache = engine.decoder._cache_for(len(seq))
@@ -28,9 +29,8 @@ def true_path_ranks(engine, seq, t, depth):
             ranks.append(NOT_RANKED)  # past the rollout's end: nothing to accept
             break
         row = torch.cat([drafter.context] + [drafter.embed(ids[t + 1 + j]) for j in range(k + 1)])
-        logits = drafter.heads.project(k, drafter.heads.head_hidden(k, row).to(drafter.lm_head.weight.dtype),
-                                       drafter.lm_head)
-        ranks.append(logits.topk(len(logits)).indices.tolist().index(int(ids[t + 2 + k])))
+        order = drafter.top_tokens(k, drafter.plan.trunks[k](row[None]), model.config.vocab_size)[0]
+        ranks.append(order.tolist().index(int(ids[t + 2 + k])))
     return ranks
 
 
