@@ -30,12 +30,14 @@ static inline void widen_group(const void* w, const float* sc, int64_t o, int64_
   if (KIND == 3) {
     // a group's 16 bytes as 4 words, word i holding values 8i..8i+7 in its nibbles from the lowest: each word
     // broadcast, shifted per lane and masked is 8 values, with no shuffle across lanes
-    const int32_t* words = static_cast<const int32_t*>(w) + (o * (K / 2) + g * 16) / 4;
+    const uint8_t* bytes = static_cast<const uint8_t*>(w) + o * (K / 2) + g * 16;
     const float* dm = sc + (o * (K / 32) + g) * 2;
     const __m256 d = _mm256_set1_ps(dm[0]), m = _mm256_set1_ps(dm[1]);
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
     for (int i = 0; i < 4; ++i) {
-      const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(words[i]), shifts), mask);
+      int32_t word;
+      std::memcpy(&word, bytes + 4 * i, 4);  // one broadcast load; a memcpy, not an int32_t* over the bytes
+      const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
       // d * q is exact in fp32 (d has at most 11 significant bits, q 4: quant.quantize_int4, exact_blocks), so
       // d * q + m rounds once, with FMA or without: the generic code's values
       out[i] = fmadd((vec)d, (vec)_mm256_cvtepi32_ps(q), (vec)m);
