@@ -272,3 +272,25 @@ def test_the_bench_resolves_the_entmtp_bank_as_a_job_does(tmp_path, capsys):
     rc = bench_job.main(["--dataset", str(chat), "--bank", "auto", "--systems", "ar", "entmtp-tau",
                          "--output", str(tmp_path / "auto")])
     assert rc == 2 and "--bank auto is calibrated by the generation job" in capsys.readouterr().err
+
+
+def test_llama_cpp_prefills_every_prompt_in_full_as_ours_do():
+    """The baseline forgets the last prompt: llama-cpp-python reuses a common prefix's KV cache, and the warm-up
+    (the first prompt) once spared the first timed row its whole prefill."""
+    pytest.importorskip("llama_cpp")  # the `llamacpp` extra: its build takes minutes, so not in `make setup`
+    from entmtp_ray.bench.compare import LlamaCpp
+    from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.pipeline.assemble import load_stack
+
+    loaded = load_stack(ModelConfig(), with_heads=False).loaded
+    engine = LlamaCpp(loaded, threads=1, seed=0)
+    evaluated = []
+    real_eval = engine.llm.eval
+    engine.llm.eval = lambda tokens: (evaluated.append(list(tokens)), real_eval(tokens))[1]
+    ids = loaded.encode_prompt("Name three colours.")
+    cfg = DecodingConfig(max_new_tokens=2)
+    first = engine.run(ids, cfg, 0)
+    evaluated.clear()
+    again = engine.run(ids, cfg, 0)
+    assert evaluated[0] == ids  # the whole prompt again, not only its last token
+    assert again.output_token_ids == first.output_token_ids
