@@ -156,6 +156,7 @@ _INCLUDES = """#include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX__)
 #include <immintrin.h>

@@ -1,6 +1,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <type_traits>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <vector>
 
@@ -63,11 +67,60 @@ static inline void accumulate(vec (&a)[RB][N], const float* x, int64_t stride, c
   }
 }
 
+// W consecutive operands widened to fp32, exactly
+template <typename T>
+static inline vec load_wide(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return load(p);
+  } else {
+#if defined(__AVX2__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+#endif
+#if defined(__F16C__)
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      return (vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+#endif
+    vec out;
+    for (int64_t w = 0; w < W; ++w) out[w] = static_cast<float>(p[w]);
+    return out;
+  }
+}
+
+// r[i] holds lanes d..d+7 of key i; after, r[d'] holds key 0..7's lane d + d' (a move of values, no arithmetic)
+static inline void transpose8(vec (&r)[W]) {
+#if defined(__AVX__)
+  const __m256 t0 = _mm256_unpacklo_ps((__m256)r[0], (__m256)r[1]), t1 = _mm256_unpackhi_ps((__m256)r[0], (__m256)r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps((__m256)r[2], (__m256)r[3]), t3 = _mm256_unpackhi_ps((__m256)r[2], (__m256)r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps((__m256)r[4], (__m256)r[5]), t5 = _mm256_unpackhi_ps((__m256)r[4], (__m256)r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps((__m256)r[6], (__m256)r[7]), t7 = _mm256_unpackhi_ps((__m256)r[6], (__m256)r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = (vec)_mm256_permute2f128_ps(s0, s4, 0x20); r[1] = (vec)_mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = (vec)_mm256_permute2f128_ps(s2, s6, 0x20); r[3] = (vec)_mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = (vec)_mm256_permute2f128_ps(s0, s4, 0x31); r[5] = (vec)_mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = (vec)_mm256_permute2f128_ps(s2, s6, 0x31); r[7] = (vec)_mm256_permute2f128_ps(s3, s7, 0x31);
+#else
+  vec t[W];
+  for (int64_t i = 0; i < W; ++i)
+    for (int64_t j = 0; j < W; ++j) t[i][j] = r[j][i];
+  for (int64_t i = 0; i < W; ++i) r[i] = t[i];
+#endif
+}
+
 // q [kv, R, hd]; k, v [kv, L, hd] (views of a cache: unit stride in hd); mask [R, L] bool, or null for every key.
 // Three passes, each split across threads by blocks whose arithmetic per row is the same whatever the split: scores
 // (a row's sum over d in order, one lane per key), the softmax (a row's keys in position order), the weighted sum
 // (one lane per d, a row's keys in position order). A masked key adds an exact zero to a row's weighted sum (its
-// sum starts at +0 and stays off -0, so adding +-0 leaves it as it was): no branch in the vector loop.
+// sum starts at +0 and stays off -0, so adding +-0 leaves it as it was): no branch in the vector loop. Keys and
+// values are read where they lie (the cache): the scores take each block of 8 keys x 8 lanes of d transposed in
+// registers, the weighted sum reads value rows as they are; only a head dimension that is not a multiple of 16 (or
+// of 8 for the keys) copies its operands, zero-padded.
 template <typename T>
 static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t kv, int64_t R,
                    int64_t hd, int64_t L, int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, float scale) {
@@ -76,42 +129,62 @@ static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out,
   // faulted in by the allocator every time. Workers see them through these pointers (their own thread_local
   // copies would be empty)
   thread_local std::vector<float> kb, vb, qb, sb, mb;
-  float* kt = grown(kb, kv * hd * Lp);  // keys transposed, [kv, hd, Lp], zero past L
-  float* vf = grown(vb, kv * L * hp);   // values [kv, L, hp], zero past hd
-  float* qf = grown(qb, kv * Rp * hd);  // queries [kv, Rp, hd], zero past R
+  const bool keys_in_place = hd % W == 0, values_in_place = hd % DB == 0 && std::is_same_v<T, float>;
+  const int64_t hk = (hd + W - 1) / W * W;
+  // keys padded to a multiple of 8 lanes ([kv, L, hk]) where hd is not one; values [kv, L, hp] where they are not
+  // fp32 rows of a multiple of 16: both zero past hd
+  float* kp = keys_in_place ? nullptr : grown(kb, kv * L * hk);
+  float* vf = values_in_place ? nullptr : grown(vb, kv * L * hp);
+  float* qf = grown(qb, kv * Rp * hk);  // queries [kv, Rp, hk], zero past R and hd
   float* s = grown(sb, kv * Rp * Lp);   // scores, then probabilities (zero where masked), [kv, Rp, Lp]
-  at::parallel_for(0, kv * Lp, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      int64_t h = i / Lp, j = i % Lp;
-      if (j >= L) {
-        for (int64_t d = 0; d < hd; ++d) kt[(h * hd + d) * Lp + j] = 0.f;
-        continue;
+  if (!keys_in_place || !values_in_place)
+    at::parallel_for(0, kv * L, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        int64_t h = i / L, j = i % L;
+        if (!keys_in_place) {
+          const T* kj = k + h * ks0 + j * ks1;
+          float* ko = kp + (h * L + j) * hk;
+          for (int64_t d = 0; d < hk; ++d) ko[d] = d < hd ? static_cast<float>(kj[d]) : 0.f;
+        }
+        if (!values_in_place) {
+          const T* vj = v + h * vs0 + j * vs1;
+          float* vo = vf + (h * L + j) * hp;
+          for (int64_t d = 0; d < hp; ++d) vo[d] = d < hd ? static_cast<float>(vj[d]) : 0.f;
+        }
       }
-      const T* kj = k + h * ks0 + j * ks1;
-      const T* vj = v + h * vs0 + j * vs1;
-      float* vo = vf + (h * L + j) * hp;
-      for (int64_t d = 0; d < hd; ++d) {
-        kt[(h * hd + d) * Lp + j] = static_cast<float>(kj[d]);
-        vo[d] = static_cast<float>(vj[d]);
-      }
-      for (int64_t d = hd; d < hp; ++d) vo[d] = 0.f;
-    }
-  });
+    });
   for (int64_t h = 0; h < kv; ++h)
     for (int64_t r = 0; r < Rp; ++r)
-      for (int64_t d = 0; d < hd; ++d)
-        qf[(h * Rp + r) * hd + d] = r < R ? static_cast<float>(q[(h * R + r) * hd + d]) : 0.f;
+      for (int64_t d = 0; d < hk; ++d)
+        qf[(h * Rp + r) * hk + d] = r < R && d < hd ? static_cast<float>(q[(h * R + r) * hd + d]) : 0.f;
 
   const int64_t nk = Lp / KB;
   at::parallel_for(0, kv * nb * nk, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       int64_t h = i / (nb * nk), b = i / nk % nb, j0 = i % nk * KB;
-      const float* qr = qf + (h * Rp + b * RB) * hd;
-      const float* kh = kt + h * hd * Lp + j0;
+      const float* qr = qf + (h * Rp + b * RB) * hk;
       vec a[RB][KB / W] = {};
-      // each score summed over d in order, one multiply then one add (no contraction: -ffp-contract=off)
-      for (int64_t d = 0; d < hd; ++d) {
-        accumulate(a, qr + d, hd, kh + d * Lp);
+      // each score summed over d in order, one multiply then one add (no contraction: -ffp-contract=off); the
+      // block's keys 8 lanes of d at a time, transposed so that vector t[u][d'] holds lane d + d' of 8 keys
+      for (int64_t d = 0; d < hk; d += W) {
+        vec t[KB / W][W];
+        for (int64_t u = 0; u < KB / W; ++u) {
+          for (int64_t w = 0; w < W; ++w) {
+            const int64_t j = j0 + u * W + w;
+            if (j >= L) t[u][w] = splat(0.f);  // past the keys: a score of 0, masked
+            else if (keys_in_place) t[u][w] = load_wide(k + h * ks0 + j * ks1 + d);
+            else t[u][w] = load(kp + (h * L + j) * hk + d);
+          }
+          transpose8(t[u]);
+        }
+        for (int64_t e = 0; e < W; ++e) {
+          vec ys[KB / W];
+          for (int64_t u = 0; u < KB / W; ++u) ys[u] = t[u][e];
+          for (int64_t rr = 0; rr < RB; ++rr) {
+            const vec xr = splat(qr[rr * hk + d + e]);
+            for (int64_t u = 0; u < KB / W; ++u) a[rr][u] = a[rr][u] + xr * ys[u];
+          }
+        }
       }
       for (int64_t rr = 0; rr < RB; ++rr)
         for (int64_t u = 0; u < KB / W; ++u) store(s + (h * Rp + b * RB + rr) * Lp + j0 + u * W, a[rr][u]);
@@ -156,10 +229,13 @@ static void attend(const T* q, const T* k, const T* v, const bool* mask, T* out,
     for (int64_t i = begin; i < end; ++i) {
       int64_t h = i / (nb * nd), b = i / nd % nb, d0 = i % nd * DB;
       const float* pb = s + (h * Rp + b * RB) * Lp;
-      const float* vh = vf + h * L * hp + d0;
       vec a[RB][DB / W] = {};
-      for (int64_t j = 0; j < L; ++j) {  // the weighted sum over keys in position order
-        accumulate(a, pb + j, Lp, vh + j * hp);
+      if (values_in_place) {
+        const float* vh = reinterpret_cast<const float*>(v) + h * vs0 + d0;
+        for (int64_t j = 0; j < L; ++j) accumulate(a, pb + j, Lp, vh + j * vs1);  // keys in position order
+      } else {
+        const float* vh = vf + h * L * hp + d0;
+        for (int64_t j = 0; j < L; ++j) accumulate(a, pb + j, Lp, vh + j * hp);
       }
       float lanes[RB][DB];
       for (int64_t rr = 0; rr < RB; ++rr)
