@@ -102,12 +102,13 @@ static inline void block_rows(const float* x0, const float* x1, const float* con
   if (TWO) { y1[0] = lanes(b0); y1[1] = lanes(b1); y1[2] = lanes(b2); y1[3] = lanes(b3); }
 }
 
-// ROWS (1-4) rows against the block's NB outputs, each group of 32 weights widened in registers as it is used (no
+// ROWS (1-8) rows against the block's NB outputs, each group of 32 weights widened in registers as it is used (no
 // buffer: the widening costs about what two rows' sums do), JB outputs at a time so that the JB * ROWS sums stay in
-// registers. Every (row, output) sums in the order block_rows does: part[r * NB + j]
+// registers (at most 8, beside the 4 widened vectors). Every (row, output) sums in the order block_rows does:
+// part[r * NB + j]
 template <int KIND, int ROWS>
 static inline void block_few(const float* x, const void* w, const float* sc, int64_t o, int64_t K, float* part) {
-  constexpr int JB = ROWS <= 2 ? NB : 2;
+  constexpr int JB = ROWS <= 2 ? NB : ROWS <= 4 ? 2 : 1;
   for (int64_t j0 = 0; j0 < NB; j0 += JB) {
     vec acc[JB][ROWS] = {};
     for (int64_t g = 0; g < K / 32; ++g)
@@ -127,7 +128,7 @@ static void run(const float* x, const void* w, const float* sc, const float* bia
                 int64_t O) {
   at::parallel_for(0, O / NB, 1, [&](int64_t begin, int64_t end) {
     // fp32 is read in place, two rows at a time; the other kinds widen each group in registers as it is used, for
-    // four rows at a time (each row's FMAs are the product's floor here: more rows a widening did not pay, measured)
+    // up to eight rows at a time (a widening costs about two rows' FMAs, so eight rows share it)
     std::vector<float> part(R * NB);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t o = blk * NB;
@@ -139,14 +140,18 @@ static void run(const float* x, const void* w, const float* sc, const float* bia
           else block_rows<false>(x + r * K, nullptr, rows, K, &part[r * NB], nullptr);
         }
       } else {
-        for (int64_t r = 0; r < R; r += 4) {
+        for (int64_t r = 0; r < R; r += 8) {
           const float* xr = x + r * K;
           float* pr = &part[r * NB];
-          switch (std::min<int64_t>(R - r, 4)) {
+          switch (std::min<int64_t>(R - r, 8)) {
             case 1: block_few<KIND, 1>(xr, w, sc, o, K, pr); break;
             case 2: block_few<KIND, 2>(xr, w, sc, o, K, pr); break;
             case 3: block_few<KIND, 3>(xr, w, sc, o, K, pr); break;
-            default: block_few<KIND, 4>(xr, w, sc, o, K, pr); break;
+            case 4: block_few<KIND, 4>(xr, w, sc, o, K, pr); break;
+            case 5: block_few<KIND, 5>(xr, w, sc, o, K, pr); break;
+            case 6: block_few<KIND, 6>(xr, w, sc, o, K, pr); break;
+            case 7: block_few<KIND, 7>(xr, w, sc, o, K, pr); break;
+            default: block_few<KIND, 8>(xr, w, sc, o, K, pr); break;
           }
         }
       }
