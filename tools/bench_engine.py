@@ -102,7 +102,7 @@ def seam_costs(decoder: SpecDecoder, prompt_ids: list[int], trees: dict, repeats
         request = decoder.prefill(prompt_ids, DecodingConfig(policy="ar", max_new_tokens=room))
         costs = {}
         for key, topology in trees.items():
-            buffers = build_buffers(topology, loaded.device, decoder.leaf_logits)
+            buffers = build_buffers(topology, loaded.device, decoder.leaf_logits_for(topology))
             tokens = torch.randint(0, loaded.model.config.vocab_size, (buffers.num_nodes,), device=loaded.device)
             tree = Tree(decoder.cache, buffers, tokens, request.plan)
             decoder.verifier([tree])  # lazy inits

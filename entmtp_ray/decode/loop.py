@@ -32,6 +32,7 @@ from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.kernels import prepare
 from entmtp_ray.model.loading import LoadedModel
+from entmtp_ray.model.products import ROWS_PER_WIDENING
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,17 @@ def in_inference_mode(method):
 class SpecDecoder:
     """Holds a model, its drafter and every tree a policy may pick (buffers built once)."""
 
-    def __init__(self, loaded: LoadedModel, drafter: Drafter | None, policy: Policy, leaf_logits: bool | None = None,
-                 static: bool | None = None, graphs: bool | None = None, capacity: int | None = None):
-        """Each option defaults to on for CUDA and off elsewhere (docs/design.md §8):
+    def __init__(self, loaded: LoadedModel, drafter: Drafter | None, policy: Policy,
+                 leaf_logits: bool | int | None = None, static: bool | None = None, graphs: bool | None = None,
+                 capacity: int | None = None):
+        """Each option defaults to on for CUDA and off elsewhere, but for leaf logits (docs/design.md §8):
 
         `leaf_logits`: the verify forward projects every node, not just the scored ones, so a greedy step reads
-        back once (build_buffers); on CUDA a read-back waits for the queued kernels and the extra rows of the
-        vocabulary projection cost next to nothing; on CPU they cost more than a read-back saves.
+        back once (build_buffers). By default (None) on where the extra rows of the vocabulary projection cost next
+        to nothing: on CUDA (where a read-back also waits for the queued kernels), and on CPU row products
+        (products.py) for trees whose nodes the products widen the weight once for (ROWS_PER_WIDENING): there an
+        accepted leaf's logits would otherwise cost a second read of the whole lm_head, about what the verify's
+        own costs, while each extra row costs a tenth of it; off for larger trees and torch's CPU products.
         `static`: verify on static shapes, over a cache allocated once (decode/static.py) of `capacity` positions
         (the job's need, `static.static_capacity`; None: the model's context, up to STATIC_CAPACITY), grown when a
         request needs more; `graphs`: capture each tree's static verify as a CUDA graph here, once, and replay it
@@ -66,14 +71,17 @@ class SpecDecoder:
         """
         self.loaded = loaded
         cuda = loaded.device.type == "cuda"
-        leaf_logits = cuda if leaf_logits is None else leaf_logits
+        if leaf_logits is None and not cuda:
+            # per tree (`_tree_buffers`): the rows one widening of the row products serves, else none
+            leaf_logits = ROWS_PER_WIDENING if prepare(loaded.model).lm_head.native is not None else False
+        leaf_logits = True if leaf_logits is None else leaf_logits
         static = cuda if static is None else static
         graphs = (cuda if graphs is None else graphs) and static
         self.drafter = drafter or NoDrafter(loaded.device)
         self.policy = policy
         self.leaf_logits = leaf_logits
         self.buffers = self._tree_buffers(policy, {})
-        self.ar = build_buffers(chain_topology(0), loaded.device, leaf_logits)
+        self.ar = build_buffers(chain_topology(0), loaded.device, self.leaf_logits_for(chain_topology(0)))
         self.max_nodes = max(b.num_nodes for b in self.buffers.values())
         self.cache: KVCache | None = None  # the static cache, or the dynamic one the last request grew
         self.static = static
@@ -81,6 +89,13 @@ class SpecDecoder:
         self.graphs = graphs
         if static:
             self._static(min(loaded.max_positions, capacity or STATIC_CAPACITY))
+
+    def leaf_logits_for(self, topology: Topology) -> bool:
+        """Whether `topology`'s verify projects its leaves too (`leaf_logits`: a flag, or the largest tree that
+        does)."""
+        if isinstance(self.leaf_logits, bool):
+            return self.leaf_logits
+        return topology.num_nodes <= self.leaf_logits
 
     def _tree_buffers(self, policy: Policy, built: dict[Topology, TreeBuffers]) -> dict[Topology, TreeBuffers]:
         """Buffers of every tree `policy` may pick (those in `built` reused), each checked against the heads."""
@@ -91,7 +106,7 @@ class SpecDecoder:
                                  "loaded; pass --heads DIR")
             if topology not in built:
                 checked = load_topology(topology, max_depth=self.drafter.max_depth)  # no deeper than the heads
-                built[topology] = build_buffers(checked, self.loaded.device, self.leaf_logits)
+                built[topology] = build_buffers(checked, self.loaded.device, self.leaf_logits_for(checked))
             buffers[topology] = built[topology]
         return buffers
 

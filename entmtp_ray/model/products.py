@@ -6,11 +6,12 @@ Why its own kernel (docs/design.md §8): MKL's fp32 products block by row count,
 one-token step's (§7); ATen's int8 product is scalar for fp32 activations on x86 and its int4 one reads the weight
 again per few rows, so a 64-node tree cost 8-10x a token where it should cost about the weight read.
 
-The arithmetic: the outputs split into blocks of 4, across torch's threads; a block's weights are widened to fp32
-once into a buffer in L1 (int4: d * q + m, int8: q, its scale applied to the sum), and every row's 4 sums run over
-it, two rows at a time, in 8 lanes with FMA (where the CPU has it) over the inputs in order, then the lanes added in
-one fixed order. Each (row, output) is the same sequence of roundings whatever the row count, the row's neighbours
-or the thread count, so a row of a tree rounds as the one-token step's row does, bit for bit.
+The arithmetic: the outputs split into blocks of 4, across torch's threads; each group of 32 weights of a block is
+widened to fp32 in registers as it is used (int4: d * q + m, q8_0: d * q, int8: q, its scale applied to the sum),
+once for up to ROWS_PER_WIDENING rows (fp32 is read in place, two rows at a time), every row's sums in 8 lanes
+with FMA (where the CPU has it) over the inputs in order, then the lanes added in one fixed order. Each (row,
+output) is the same sequence of roundings whatever the row count, the row's neighbours or the thread count, so a
+row of a tree rounds as the one-token step's row does, bit for bit.
 
 Built once per machine (native.py); ENTMTP_NATIVE_PRODUCTS=0 keeps torch's own products (oneDNN, MKL, ATen's
 weight-only kernels).
@@ -102,6 +103,9 @@ class NativeWeight:
 
 
 _BLOCK = 4  # the kernel's outputs per block (NB in csrc/products.cpp)
+# rows that one widening of a weight group serves (block_few in csrc/products.cpp): up to it, another row costs
+# its FMAs alone (about a tenth of the first row's product on an AVX2 EPYC); past it, the weights widen again
+ROWS_PER_WIDENING = 8
 
 
 def _fill(rows: torch.Tensor) -> torch.Tensor:

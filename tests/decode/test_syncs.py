@@ -12,7 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.readbacks import POLICIES, RULES, decode_counting, read_backs  # tiny: conftest.py
+from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.decode.tree import make_topology
+from entmtp_ray.model.kernels import prepare
+from entmtp_ray.model.products import ROWS_PER_WIDENING
+from helpers.readbacks import POLICIES, RULES, TREE, decode_counting, read_backs  # tiny: conftest.py
 
 
 def test_the_counter_sees_each_way_of_reading_a_tensor():
@@ -45,3 +49,20 @@ def test_leaf_logits_change_the_read_backs_not_the_output(tiny, policy, rule):
         assert (tree, a) == (tree2, a2)
         assert entropy == pytest.approx(entropy2, abs=1e-5) and top1 == pytest.approx(top12, abs=1e-6)
     assert max(cpu_like[2]) <= 2
+
+
+def test_on_cpu_row_products_small_trees_project_their_leaves_and_large_ones_do_not(tiny):
+    """The CPU default: a tree whose nodes one widening of the row products serves projects every node (an extra
+    row costs a tenth of the projection, a leaf's logits after the path another whole one); a larger tree its
+    scored nodes only; torch's products (no row products) none; an explicit flag applies to every tree."""
+    loaded, drafter = tiny
+    small = make_topology([[0], [0, 0]], "small")
+    large = make_topology([[i] for i in range(4)] + [[i, j] for i in range(4) for j in range(2)], "large")
+    assert small.num_nodes <= ROWS_PER_WIDENING < large.num_nodes
+    decoder = SpecDecoder(loaded, drafter, POLICIES["tree"]())
+    if prepare(loaded.model).lm_head.native is None:
+        pytest.skip("the row products are not built here: no tree projects its leaves")
+    assert decoder.leaf_logits_for(small) and not decoder.leaf_logits_for(large)
+    assert decoder.buffers[TREE].leaf_logits == (TREE.num_nodes <= ROWS_PER_WIDENING)
+    explicit = SpecDecoder(loaded, drafter, POLICIES["tree"](), leaf_logits=False)
+    assert not explicit.leaf_logits_for(small)
