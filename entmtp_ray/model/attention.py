@@ -9,9 +9,10 @@ order (a vector lane per key), and its softmax sum and weighted sum run over its
 in fp32: a tree row's keys (the prefix, then its ancestors) are the one-token step's keys in the same order, so
 where the products are row-invariant too (bf16 on CPU, §8) the tree's rows are the steps' bit for bit.
 
-Speed without giving that up: operands are converted to fp32 once per call; four rows of a head share every key
-and value load (scores in blocks of 4 rows x 16 keys, the weighted sum in blocks of 4 rows x 16 lanes of d, held
-in vector registers); e^x is a polynomial evaluated lane by lane; and the three passes split across torch's
+Speed without giving that up: keys are read where they lie in the cache (a block of 8 keys x 8 lanes of d
+transposed in registers, bf16/fp16 widened as loaded), fp32 values too (bf16/fp16 values are widened into a copy
+once per call); four rows of a head share every key and value load (scores in blocks of 4 rows x 16 keys, the
+weighted sum in blocks of 4 rows x 16 lanes of d, held in vector registers); e^x is a polynomial evaluated lane by lane; and the three passes split across torch's
 threads (OpenMP) by blocks that never split one row's ordered sums. Lanes never mix: whatever the blocking, a
 row's arithmetic is the same sequence of one-rounding operations, with no contraction into FMA
 (-ffp-contract=off), so neither the thread count nor the row count changes a bit.
