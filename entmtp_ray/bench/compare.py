@@ -137,13 +137,18 @@ def compare_greedy(got: list[int], want: list[int], want_logits: torch.Tensor, d
     return "tie" if bool(both.all()) else "differs"
 
 
+# below this many bytes the weights are read as one buffer copied from them; above, every tensor in place, each read
+# long enough that a call's own overhead is nothing beside it (and a copy would double a 7B model's memory)
+_ONE_BUFFER_BYTES = 1 << 30
+
+
 def weight_read_seconds(loaded: LoadedModel, repeats: int = 7) -> tuple[int, float]:
     """Bytes of the weights a one-token step reads and the median seconds to stream them all once at this thread
     count: the memory floor of one AR step, which must read every one. The products' own copies where they hold
     one (exact GGUF blocks or quantized weights: what the step reads), else the parameter; the embedding (one row a
-    token) is left out, but for the lm_head's copy when tied. The bytes are read as one buffer of fp32 words (a copy
-    made once): summed tensor by tensor, the 300 calls' own overhead doubled the time on a 2-core EPYC (7.7 against
-    3.3 ms for 112 MB), and int8 sums run a far slower kernel than the read they stand for."""
+    token) is left out, but for the lm_head's copy when tied. Bytes are read as fp32 words (int8 sums run a far
+    slower kernel than the read they stand for); a small model's as one buffer: summed tensor by tensor, the 300
+    calls' own overhead doubled the time on a 2-core EPYC (7.7 against 3.3 ms for 112 MB)."""
     plan = prepare(loaded.model)
     tensors = {}
     for p in [q for layer in plan.layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [plan.lm_head]:
@@ -155,14 +160,23 @@ def weight_read_seconds(loaded: LoadedModel, repeats: int = 7) -> tuple[int, flo
     params = [t for t in tensors.values() if t.numel()]
     total = sum(p.numel() * p.element_size() for p in params)
     with torch.inference_mode():
-        flat = torch.cat([p.detach().reshape(-1).view(torch.uint8).to(loaded.device) for p in params])
-        words = torch.cat([flat, flat.new_zeros(-total % 4)]).view(torch.float32)
-        del flat
+        if total <= _ONE_BUFFER_BYTES:
+            buffer = torch.zeros(-(-total // 4) * 4, dtype=torch.uint8, device=loaded.device)
+            offset = 0
+            for p in params:
+                size = p.numel() * p.element_size()
+                buffer[offset:offset + size].copy_(p.detach().reshape(-1).view(torch.uint8))
+                offset += size
+            reads = [buffer.view(torch.float32)]
+        else:
+            reads = [t.reshape(-1).view(torch.uint8).view(torch.float32) if t.element_size() != 4 and
+                     t.numel() * t.element_size() % 4 == 0 and t.is_contiguous() else t for t in params]
         times = []
-        for _ in range(repeats + 1):  # the first pages the copy in
+        for _ in range(repeats + 1):  # the first pages a copy in
             synchronize(loaded.device)
             start = time.perf_counter()
-            words.sum()
+            for read in reads:
+                read.sum()
             synchronize(loaded.device)
             times.append(time.perf_counter() - start)
     return total, statistics.median(times[1:])

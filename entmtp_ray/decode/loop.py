@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import time
 
 import torch
@@ -63,7 +64,8 @@ class SpecDecoder:
         to nothing: on CUDA (where a read-back also waits for the queued kernels), and on CPU row products
         (products.py) for trees whose nodes the products widen the weight once for (ROWS_PER_WIDENING): there an
         accepted leaf's logits would otherwise cost a second read of the whole lm_head, about what the verify's
-        own costs, while each extra row costs a tenth of it; off for larger trees and torch's CPU products.
+        own costs, while each extra row costs a tenth of it; off for larger trees and torch's CPU products. An int
+        n: trees of at most n nodes.
         `static`: verify on static shapes, over a cache allocated once (decode/static.py) of `capacity` positions
         (the job's need, `static.static_capacity`; None: the model's context, up to STATIC_CAPACITY), grown when a
         request needs more; `graphs`: capture each tree's static verify as a CUDA graph here, once, and replay it
@@ -71,15 +73,14 @@ class SpecDecoder:
         """
         self.loaded = loaded
         cuda = loaded.device.type == "cuda"
-        if leaf_logits is None and not cuda:
-            # per tree (`_tree_buffers`): the rows one widening of the row products serves, else none
-            leaf_logits = ROWS_PER_WIDENING if prepare(loaded.model).lm_head.native is not None else False
-        leaf_logits = True if leaf_logits is None else leaf_logits
+        if leaf_logits is None:  # CPU: the trees one widening of the row products serves, else none
+            leaf_logits = cuda or (ROWS_PER_WIDENING if prepare(loaded.model).lm_head.native is not None else 0)
         static = cuda if static is None else static
         graphs = (cuda if graphs is None else graphs) and static
         self.drafter = drafter or NoDrafter(loaded.device)
         self.policy = policy
-        self.leaf_logits = leaf_logits
+        # the largest tree whose verify projects its leaves: True every tree, False none
+        self.leaf_nodes = math.inf if leaf_logits is True else int(leaf_logits)
         self.buffers = self._tree_buffers(policy, {})
         self.ar = build_buffers(chain_topology(0), loaded.device, self.leaf_logits_for(chain_topology(0)))
         self.max_nodes = max(b.num_nodes for b in self.buffers.values())
@@ -91,11 +92,8 @@ class SpecDecoder:
             self._static(min(loaded.max_positions, capacity or STATIC_CAPACITY))
 
     def leaf_logits_for(self, topology: Topology) -> bool:
-        """Whether `topology`'s verify projects its leaves too (`leaf_logits`: a flag, or the largest tree that
-        does)."""
-        if isinstance(self.leaf_logits, bool):
-            return self.leaf_logits
-        return topology.num_nodes <= self.leaf_logits
+        """Whether `topology`'s verify projects its leaves too."""
+        return topology.num_nodes <= self.leaf_nodes
 
     def _tree_buffers(self, policy: Policy, built: dict[Topology, TreeBuffers]) -> dict[Topology, TreeBuffers]:
         """Buffers of every tree `policy` may pick (those in `built` reused), each checked against the heads."""
