@@ -42,6 +42,11 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)
 _kernel = None  # the built module, once fixed_order_ready() found it
 
 
+def switched_on() -> bool:
+    """Whether ENTMTP_FIXED_ORDER_ATTENTION leaves the kernel on (told without building it)."""
+    return not _DISABLED
+
+
 def fixed_order_ready() -> bool:
     """Whether the kernel is built (building it on the first call); ENTMTP_FIXED_ORDER_ATTENTION=0 keeps SDPA."""
     global _kernel

@@ -123,21 +123,45 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX), where oneDNN's bf16
-    kernels beat fp32; elsewhere bf16 is emulated and slower."""
+def _cpu_flags() -> set[str]:
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+        return set()
+    return set(flags.split()[2:])
 
 
-def pick_dtype(dtype: str, device: torch.device, quantize: str = "none") -> torch.dtype:
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX), where oneDNN's bf16
+    kernels beat fp32; elsewhere bf16 is emulated and slower."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU multiplies bf16 tiles (AMX), where oneDNN's bf16 rows cost next to nothing."""
+    return "amx_bf16" in _cpu_flags()
+
+
+def blocks_step_serves(model: str | None, quantize: str) -> bool:
+    """Whether `model` in fp32 runs on the native step reading its GGUF blocks as they are (design §8): the embedded
+    model, unquantized, where the C++ kernels are built or can be (checked without building them)."""
+    from entmtp_ray.model import step
+
+    return (model == EMBEDDED_MODEL and quantize == "none" and products.native_expected()
+            and step.native_expected())
+
+
+def pick_dtype(dtype: str, device: torch.device, quantize: str = "none", model: str | None = None) -> torch.dtype:
+    """--dtype made concrete for `device`. `auto` on a CPU: bf16 where it computes bf16 in hardware, except for a model
+    whose weights are GGUF blocks the native step reads exactly (`blocks_step_serves`) on a CPU without AMX: there
+    fp32 is the model's own values, and on a 2-core AVX512-BF16 EPYC its step took 6.3 ms against bf16's 11.3 (AR
+    124 against 70 tok/s on GSM8K; docs/measurements.md, issue 51)."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if quantize == "int4" else torch.float16  # tinygemm's int4 takes bf16 only
-        return torch.bfloat16 if cpu_has_native_bf16() and torch.backends.mkldnn.is_available() else torch.float32
+        if not (cpu_has_native_bf16() and torch.backends.mkldnn.is_available()):
+            return torch.float32
+        return torch.float32 if not cpu_has_amx() and blocks_step_serves(model, quantize) else torch.bfloat16
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {['auto', *DTYPES]}")
     return DTYPES[dtype]
@@ -232,7 +256,7 @@ def check_quantization(name: str, scheme: str, device: str = "auto", dtype: str 
     shapes, problems = layer_shapes(name), []
     for device_type in ("cpu", "cuda") if device == "auto" else (device.split(":")[0],):
         # pick_dtype tells CUDA from the rest; a device string torch cannot parse fails later, where it is placed
-        torch_dtype = pick_dtype(dtype, torch.device("cuda" if device_type == "cuda" else "cpu"), scheme)
+        torch_dtype = pick_dtype(dtype, torch.device("cuda" if device_type == "cuda" else "cpu"), scheme, name)
         problem = quantization_problem(shapes, scheme, device_type, torch_dtype)
         if problem is None:
             return
@@ -277,7 +301,7 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
         raise ValueError(f"--quantize {quantize!r}: choose one of {list(SCHEMES)}")
     dev = pick_device(device)
     check_quantization(name, quantize, dev.type, dtype)  # before the embedded model's conversion and any weights
-    torch_dtype = pick_dtype(dtype, dev, quantize)
+    torch_dtype = pick_dtype(dtype, dev, quantize, name)
     path = resolve_model_path(name)
     own = _own_modules(path, transformers_forward)
     try:

@@ -203,6 +203,17 @@ def kernel():
     return _KERNEL.module()
 
 
+def buildable() -> bool:
+    """Whether `kernel()` serves here, told without building it (for choices made before a model loads): built on
+    this machine already, or a C++ compiler to build it (torch's loader calls $CXX, else c++)."""
+    import shutil
+
+    name = NativeKernel("entmtp_kernels", source(), None, "", "").name
+    if any(any(build_folder(name + suffix).glob("*.so")) for suffix, _ in BUILDS):
+        return True
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     started = time.monotonic()

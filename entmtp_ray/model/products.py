@@ -43,6 +43,12 @@ def native_ready() -> bool:
     return not _DISABLED and not _switch.is_off and native.kernel() is not None
 
 
+def native_expected() -> bool:
+    """Whether the row products will serve and keep GGUF blocks as they are (`exact_blocks`), told without building
+    the kernel (native.buildable)."""
+    return not _DISABLED and _EXACT_BLOCKS and native.buildable()
+
+
 def switched_off():
     """Weights prepared inside (on this thread) keep torch's products: for benchmarks that time both side by side."""
     return _switch.off()

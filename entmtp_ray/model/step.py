@@ -25,6 +25,11 @@ from entmtp_ray.model import attention, native
 _DISABLED = os.environ.get("ENTMTP_NATIVE_STEP", "1") == "0"
 
 
+def native_expected() -> bool:
+    """Whether the step may serve (not switched off, nor its fixed-order attention), told without building it."""
+    return not _DISABLED and attention.switched_on()
+
+
 def build(layers) -> object | None:
     """The native step of decoder layers whose plans are `layers` (kernels.LayerPlan, in order), or None where it
     does not serve: a model not in fp32 on CPU, a projection the row products do not hold, no fixed-order attention,

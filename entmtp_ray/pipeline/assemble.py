@@ -68,7 +68,8 @@ def actors_here(model_cfg: ModelConfig, concurrency: int = 1, on_gpu: bool | Non
     --dtype gives here. Never raises: a --device this host lacks is checked where the model loads."""
     if on_gpu is None:
         on_gpu = model_cfg.device.startswith("cuda") or (model_cfg.device == "auto" and torch.cuda.is_available())
-    dtype = pick_dtype(model_cfg.dtype, torch.device("cuda" if on_gpu else "cpu"), model_cfg.quantize)
+    dtype = pick_dtype(model_cfg.dtype, torch.device("cuda" if on_gpu else "cpu"), model_cfg.quantize,
+                       model_cfg.model)
     return Actors(on_gpu, concurrency, model_cfg.quantize, str(dtype).replace("torch.", ""))
 
 

@@ -71,7 +71,8 @@ def probe_hardware(model_cfg: dict, threads: int, concurrency: int = 1) -> Hardw
     torch.set_num_threads(max(1, threads))
     device = pick_device(model_cfg["device"])
     quantize = model_cfg.get("quantize", "none")
-    return current_hardware(device, pick_dtype(model_cfg["dtype"], device, quantize), concurrency, quantize)
+    dtype = pick_dtype(model_cfg["dtype"], device, quantize, model_cfg.get("model"))
+    return current_hardware(device, dtype, concurrency, quantize)
 
 
 def data_identity(task: str | None, files: list[tuple[str, int]] | None = None, dataset: str | None = None,

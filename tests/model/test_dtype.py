@@ -1,0 +1,50 @@
+"""What `--dtype auto` picks on each kind of CPU (loading.pick_dtype), told from /proc/cpuinfo's flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entmtp_ray.config import EMBEDDED_MODEL
+from entmtp_ray.model import loading
+
+CPU = torch.device("cpu")
+AVX2 = {"avx2", "fma"}
+AVX512_BF16 = AVX2 | {"avx512f", "avx512_bf16"}
+AMX = AVX512_BF16 | {"amx_bf16", "amx_tile"}
+
+
+@pytest.mark.parametrize("flags, model, quantize, kernels, expected", [
+    (AVX2, EMBEDDED_MODEL, "none", True, torch.float32),  # emulated bf16: fp32 for every model
+    (AVX2, "lmsys/vicuna-7b-v1.3", "none", True, torch.float32),
+    # native bf16 without AMX: the embedded model's GGUF blocks on the native step in fp32, where its kernels serve
+    (AVX512_BF16, EMBEDDED_MODEL, "none", True, torch.float32),
+    (AVX512_BF16, EMBEDDED_MODEL, "none", False, torch.bfloat16),  # no compiler: the Python layers, faster in bf16
+    (AVX512_BF16, EMBEDDED_MODEL, "int4", True, torch.bfloat16),  # a scheme's own weights, not the GGUF's blocks
+    (AVX512_BF16, "lmsys/vicuna-7b-v1.3", "none", True, torch.bfloat16),  # fp16 safetensors: half the bytes in bf16
+    (AVX512_BF16, None, "none", True, torch.bfloat16),  # no model named: as before
+    (AMX, EMBEDDED_MODEL, "none", True, torch.bfloat16),  # AMX: oneDNN's bf16 rows cost next to nothing
+])
+def test_auto_dtype_on_a_cpu_follows_its_flags_and_the_model(monkeypatch, flags, model, quantize, kernels, expected):
+    monkeypatch.setattr(loading, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(loading.products, "native_expected", lambda: kernels)
+    assert loading.pick_dtype("auto", CPU, quantize, model) == expected
+    assert loading.pick_dtype("bf16", CPU, quantize, model) == torch.bfloat16  # an explicit dtype is kept
+    assert loading.pick_dtype("auto", torch.device("cuda"), "none", model) == torch.float16
+
+
+def test_the_kernels_count_as_serving_without_being_built_when_a_compiler_is_there(monkeypatch, tmp_path):
+    """pick_dtype runs before a model loads, on a driver that may never build the kernels: it asks whether they are
+    built or buildable, and building is not what it does."""
+    from entmtp_ray.model import native
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here
+    monkeypatch.setattr(native, "kernel", lambda: pytest.fail("pick_dtype built the kernels"))
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert not native.buildable()
+    name = native.NativeKernel("entmtp_kernels", native.source(), None, "", "").name
+    (native.build_folder(name)).mkdir(parents=True)
+    (native.build_folder(name) / f"{name}.so").write_bytes(b"")
+    assert native.buildable()  # built on this machine: no compiler needed
+    monkeypatch.setattr(loading, "_cpu_flags", lambda: AVX512_BF16)
+    assert loading.pick_dtype("auto", CPU, "none", EMBEDDED_MODEL) == torch.float32
