@@ -25,10 +25,10 @@ class ModelConfig(BaseModel):
                               "'untrained' = random heads")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto = fp16 on CUDA; on CPU bf16 where the CPU has native bf16 (a tree step costs a "
-        "third of fp32's, an AR step about the same), else fp32; and fp32 for the embedded model on a CPU without AMX "
-        "where the C++ kernels serve (its GGUF blocks read as they are: a step half of bf16's). Greedy output equals greedy decoding in that dtype "
-        "(bf16/fp16 on CUDA, or on a CPU without a C++ compiler: except at float ties; there bit-stable labels need "
-        "fp32)")
+        "third of fp32's, an AR step about the same), else fp32; and fp32 for the embedded model on a CPU without "
+        "AMX where the C++ kernels serve (its GGUF blocks read as they are: a step half of bf16's). Greedy output "
+        "equals greedy decoding in that dtype (bf16/fp16 on CUDA, or on a CPU without a C++ compiler: except at "
+        "float ties; there bit-stable labels need fp32)")
     device: str = Field("auto", description="cpu | cuda[:N] | auto (a GPU if torch sees one). In the Ray job an actor "
                         "without GPUs (--gpus-per-actor) runs on cpu, one with GPUs on the GPU Ray assigned it, whatever "
                         "N; cuda with no usable GPU is an error, never a CPU run")
