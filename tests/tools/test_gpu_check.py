@@ -187,8 +187,16 @@ def test_every_stage_runs_on_cpu_within_the_budget_and_reports_its_figures(tmp_p
 
     quantized = stages["quantized"]["result"]
     assert set(quantized["schemes"]) == {"none", "int8", "int4"}
-    assert all(list(s["verify_ms"]) == ["1", "16", "64"] and s["probe_ms"] > 0 and s["job_refuses"] is None
-               for s in quantized["schemes"].values())
+    schemes = quantized["schemes"]
+    assert all(s["job_refuses"] is None and "error" not in s for s in schemes.values()), schemes
+    # bf16 is measured; a quantized scheme is measured, or skipped as the stage's budget rules say: its probe over
+    # PROBE_LIMIT times bf16's, or the budget's seconds spent (timings on a shared 2-core runner vary)
+    assert list(schemes["none"]["verify_ms"]) == ["1", "16", "64"] and schemes["none"]["probe_ms"] > 0, schemes
+    for name in ("int4", "int8"):
+        s = schemes[name]
+        measured = list(s.get("verify_ms", {})) == ["1", "16", "64"] and s["probe_ms"] > 0
+        assert measured or s.get("skipped") == "budget" or (s.get("probe_ms", 0) > 0 and "x bf16's" in s.get("skipped", "")), \
+            schemes
 
 
 def test_a_child_short_of_its_deadline_skips_what_it_cannot_finish_and_keeps_what_it_measured(tmp_path):
