@@ -680,9 +680,11 @@ def decode_stage(args, device, record: Record) -> None:
         cfg = DecodingConfig(policy=name, task="humaneval", max_new_tokens=new_tokens)
         policy = resolve(model_cfg, cfg).policy
         row: dict = {}
+        policies[name] = row  # a policy the budget left no time for says so, rather than missing
         for mode, options in _modes(device).items():
             if record.left() < reserve:
                 row[mode] = {"skipped": "budget"}
+                record.put("policies", policies)
                 continue
             decoder = SpecDecoder(loaded, stack.drafter if name != "ar" else None, policy,
                                   capacity=_capacity(max(prompts, key=len), new_tokens, loaded), **options)
@@ -699,7 +701,6 @@ def decode_stage(args, device, record: Record) -> None:
             row[mode] = {"tokens_per_s": round(statistics.median(r.tokens_per_s for r in results), 2),
                          "tau": round(statistics.mean(r.mean_accepted_length for r in results), 3),
                          "greedy_vs_ar": sorted(set(checks))}
-            policies[name] = row
             record.put("policies", policies)
             del decoder
     record.put("ok", all(set(m.get("greedy_vs_ar", ["equal"])) <= {"equal", "tie"}
