@@ -12,10 +12,10 @@ where the products are row-invariant too (bf16 on CPU, §8) the tree's rows are 
 Speed without giving that up: keys are read where they lie in the cache (a block of 8 keys x 8 lanes of d
 transposed in registers, bf16/fp16 widened as loaded), fp32 values too (bf16/fp16 values are widened into a copy
 once per call); four rows of a head share every key and value load (scores in blocks of 4 rows x 16 keys, the
-weighted sum in blocks of 4 rows x 16 lanes of d, held in vector registers); e^x is a polynomial evaluated lane by lane; and the three passes split across torch's
-threads (OpenMP) by blocks that never split one row's ordered sums. Lanes never mix: whatever the blocking, a
-row's arithmetic is the same sequence of one-rounding operations, with no contraction into FMA
-(-ffp-contract=off), so neither the thread count nor the row count changes a bit.
+weighted sum in blocks of 4 rows x 16 lanes of d, held in vector registers); e^x is a polynomial evaluated lane by
+lane; and the three passes split across torch's threads (OpenMP) by blocks that never split one row's ordered sums.
+Lanes never mix: whatever the blocking, a row's arithmetic is the same sequence of one-rounding operations, with no
+contraction into FMA (-ffp-contract=off), so neither the thread count nor the row count changes a bit.
 
 The kernel is C++ built once per machine (native.py: by `make setup`, else on first use; about 40 s). Where it
 cannot be built, `fixed_order_ready()` is False, a warning says why once, and the forward keeps SDPA (greedy output

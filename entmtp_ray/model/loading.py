@@ -8,6 +8,7 @@ in the node's hub cache (model/hub.py): checks fetch only their JSON files, load
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -123,12 +124,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(flags.split()[2:])
+        return frozenset()
+    return frozenset(flags.split()[2:])
 
 
 def cpu_has_native_bf16() -> bool:

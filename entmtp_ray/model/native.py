@@ -56,6 +56,10 @@ class NativeKernel:
                     self._module = self._build()
         return self._module or None
 
+    def built(self) -> bool:
+        """Whether a build of it lies on this machine (told without importing or building it)."""
+        return any(any(build_folder(self.name + suffix).glob("*.so")) for suffix, _ in self.builds)
+
     def _build(self):
         problems = []
         for suffix, openmp in self.builds:
@@ -191,8 +195,8 @@ def source() -> str:
             f"namespace rp {{\n{text('products')}\n}}\n{text('step')}\n{_BINDINGS}")
 
 
-def kernel():
-    """The built extension (building it on the first call, once per machine), or None where it cannot be built."""
+def extension() -> NativeKernel:
+    """The project's one extension, described (its name carries its source's hash), not built."""
     global _KERNEL
     with _kernel_lock:
         if _KERNEL is None:
@@ -200,7 +204,12 @@ def kernel():
                                    "C++ kernels (fixed-order attention, row products, decoder step)",
                                    "the forward keeps torch's own operators: SDPA (greedy output equal to AR's up to "
                                    "float ties), oneDNN/MKL/ATen products and the Python layers")
-    return _KERNEL.module()
+    return _KERNEL
+
+
+def kernel():
+    """The built extension (building it on the first call, once per machine), or None where it cannot be built."""
+    return extension().module()
 
 
 def buildable() -> bool:
@@ -208,10 +217,7 @@ def buildable() -> bool:
     this machine already, or a C++ compiler to build it (torch's loader calls $CXX, else c++)."""
     import shutil
 
-    name = NativeKernel("entmtp_kernels", source(), None, "", "").name
-    if any(any(build_folder(name + suffix).glob("*.so")) for suffix, _ in BUILDS):
-        return True
-    return shutil.which(os.environ.get("CXX", "c++")) is not None
+    return extension().built() or shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 if __name__ == "__main__":

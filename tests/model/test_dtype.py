@@ -42,7 +42,7 @@ def test_the_kernels_count_as_serving_without_being_built_when_a_compiler_is_the
     monkeypatch.setattr(native, "kernel", lambda: pytest.fail("pick_dtype built the kernels"))
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     assert not native.buildable()
-    name = native.NativeKernel("entmtp_kernels", native.source(), None, "", "").name
+    name = native.extension().name
     (native.build_folder(name)).mkdir(parents=True)
     (native.build_folder(name) / f"{name}.so").write_bytes(b"")
     assert native.buildable()  # built on this machine: no compiler needed
