@@ -13,6 +13,13 @@ with FMA (where the CPU has it) over the inputs in order, then the lanes added i
 output) is the same sequence of roundings whatever the row count, the row's neighbours or the thread count, so a
 row of a tree rounds as the one-token step's row does, bit for bit.
 
+Integer products (`activations` int8: 4-bit and Q8_0 blocks, `NativeWeight.integer`): each row's input is rounded
+once a call to int8 per group of 32 (dx = max |x| / 127, as llama.cpp's Q8 activations), and a group's product is
+d * dx * (the integer sum of weights times inputs, exact) + m * dx * (the sum of the inputs' integers), each group's
+scaling added into fp32 lanes in order and the lanes in one fixed order: again one sequence of roundings per (row,
+output) at any row count. AVX512-VNNI sums two groups a vector (vpdpbusd), AVX2 one (vpmaddubsw), other CPUs in plain
+C++; each is row-invariant, not bitwise the others.
+
 Built once per machine (native.py); ENTMTP_NATIVE_PRODUCTS=0 keeps torch's own products (oneDNN, MKL, ATen's
 weight-only kernels).
 """
@@ -20,6 +27,7 @@ weight-only kernels).
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +35,12 @@ import torch
 from entmtp_ray.model import native
 from entmtp_ray.model.quant import quantized_values
 
-KINDS = {(torch.float32, "none"): 0, (torch.bfloat16, "none"): 1, "int8": 2, "int4": 3, "q8_0": 4}
+KINDS = {(torch.float32, "none"): 0, (torch.bfloat16, "none"): 1, "int8": 2, "int4": 3, "q8_0": 4,
+         ("int4", "int8"): 5, ("q8_0", "int8"): 6}  # (weights, activations): integer products
+# the inputs of a product: in the model's dtype, or rounded to int8 per group of 32 inputs (llama.cpp's Q8 activations)
+ACTIVATIONS = ("float", "int8")
+# the weights whose products can take int8 inputs: 4-bit and Q8_0 blocks (their data and scales as they are)
+_INTEGER = {KINDS["int4"]: KINDS["int4", "int8"], KINDS["q8_0"]: KINDS["q8_0", "int8"]}
 
 # the kernel's C++ is csrc/products.cpp, compiled with the others by native.kernel()
 
@@ -74,10 +87,15 @@ class NativeWeight:
     scheme: str
 
     @classmethod
-    def of(cls, weight: torch.Tensor, scheme: str) -> NativeWeight:
+    def of(cls, weight: torch.Tensor, scheme: str, activations: str = "float") -> NativeWeight:
         """`weight` for the kernel: unquantized fp32/bf16 as it is (a view, no copy, where its rows fill the kernel's
         blocks of 4 outputs, else a copy with zero rows added), else quantized (quant.py's rounding: the same values
-        ATen's kernels take)."""
+        ATen's kernels take). `activations` int8: 4-bit or Q8_0 blocks take their inputs rounded to int8
+        (`integer`); every other weight keeps float inputs."""
+        return cls._of(weight, scheme).integer(activations)
+
+    @classmethod
+    def _of(cls, weight: torch.Tensor, scheme: str) -> NativeWeight:
         out_features = weight.shape[0]
         if scheme == "none":
             blocks = exact_blocks(weight) if _EXACT_BLOCKS and weight.dtype == torch.float32 else None
@@ -92,6 +110,19 @@ class NativeWeight:
         minimum = zero - 8 * scale  # (q - 8) * scale + zero = scale * q + minimum
         return cls(_fill(pack_int4(values)), KINDS["int4"], _fill(torch.stack([scale, minimum], -1)), out_features,
                    scheme)
+
+    def integer(self, activations: str) -> NativeWeight:
+        """This weight with its products' inputs rounded to int8 per group of 32 (`activations` int8), where it is
+        4-bit or Q8_0 blocks; else itself."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations {activations!r}: choose one of {list(ACTIVATIONS)}")
+        if activations == "float" or self.kind not in _INTEGER:
+            return self
+        return dataclasses.replace(self, kind=_INTEGER[self.kind])
+
+    @property
+    def activations(self) -> str:
+        return "int8" if self.kind in _INTEGER.values() else "float"
 
     @property
     def filled(self) -> bool:
@@ -134,7 +165,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 _GROUP = 32  # GGUF's block: Q4_1 and Q8_0 alike
 
 
-def q8_0(weight: torch.Tensor) -> NativeWeight:
+def q8_0(weight: torch.Tensor, activations: str = "float") -> NativeWeight:
     """fp32 `weight` [out, in] (in % 32) rounded to Q8_0 blocks, as llama.cpp quantizes them (per 32 inputs d = max
     |w| / 127, an fp16 value, q = round(w / d)): 1.125 bytes a weight, within half a step of d of each value. For
     products whose rounding no output depends on (drafting, `kernels.Projection.for_drafting`)."""
@@ -144,7 +175,7 @@ def q8_0(weight: torch.Tensor) -> NativeWeight:
         d = (groups.abs().amax(-1) / 127).half().float()
         values = torch.round(groups / d.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127)
     return NativeWeight(_fill(values.to(torch.int8).reshape(out_features, in_features)), KINDS["q8_0"],
-                        _fill(d.contiguous()), out_features, "none")
+                        _fill(d.contiguous()), out_features, "none").integer(activations)
 
 
 def exact_blocks(weight: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:

@@ -7,8 +7,8 @@ code for the rest: an RMS norm summed in 8 lanes in order then the lanes in one 
 forward computes it (x * cos + rolled x * signed sin: the same roundings), SiLU through the attention's polynomial
 e^x. Every row's arithmetic is its own (the products and attention round a row alike at any row count, the rest is
 row by row), so a tree row rounds as the one-token step at its position does, bit for bit. It serves fp32 models
-whose every projection takes the row products (fp32, or --quantize int8/int4 with fp32 activations), one request at
-a time; the Python forward serves the rest and stays the reference (`tools/first_parting.py`).
+whose every projection takes the row products (fp32, GGUF blocks, --quantize int8/int4; their inputs fp32 or, for
+4-bit and Q8_0 blocks, int8: products.py's integer products), one request at a time; the Python forward serves the rest and stays the reference (`tools/first_parting.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def build(layers) -> object | None:
     projections = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     kinds = [p.native.kind if p.native is not None else None for p in projections]
     if (_DISABLED or first.input_norm.weight.dtype != torch.float32 or first.input_norm.weight.device.type != "cpu"
-            or not set(kinds) <= {0, 2, 3, 4} or any(p.native.filled for p in projections if p.native)
+            or not set(kinds) <= {0, 2, 3, 4, 5, 6} or any(p.native.filled for p in projections if p.native)
             or any(p.bias is not None for layer in layers
                                                                  for p in (layer.o, layer.gate_up, layer.down))
             or not attention.fixed_order_ready()):

@@ -92,3 +92,50 @@ def test_a_projection_on_cpu_takes_the_row_products_and_training_keeps_autograd(
     out = projection(x)  # grad enabled: torch's product, which has a backward
     out.sum().backward()
     assert weight.grad is not None
+
+
+def _int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T with x rounded as the integer products round it (per row and group of 32: dx = max |x| / 127, q =
+    x * (127 / max |x|) to the nearest, ties to even), summed in fp64 against the weight's exact values."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(groups * inverse)
+    return ((q.double() * (amax.double() / 127)).reshape(x.shape)) @ weight.double().t()
+
+
+@pytest.mark.parametrize("blocks,inputs", [("q4_1", 96), ("q4_1", 128), ("q8_0", 96), ("q8_0", 128)])
+def test_int8_activations_sum_integers_and_round_every_row_alike_at_any_row_count(blocks, inputs):
+    # 96 inputs: three groups, the last without a pair (the kernel's second half zero)
+    g = torch.Generator().manual_seed(6)
+    weight = (tiny.gguf_q4_1 if blocks == "q4_1" else tiny.gguf_q8_0)(torch.randn(40, inputs, generator=g) * 0.1)
+    held = products.NativeWeight.of(weight, "none", "int8")
+    assert held.kind == products.KINDS["int4" if blocks == "q4_1" else "q8_0", "int8"] and held.activations == "int8"
+    x = torch.randn(17, inputs, generator=g)
+    x[2, :32] = 0.0  # a group of zeros: dx = 0
+    x[5, 40] = 30.0  # an outlier: the rest of its group rounds to few levels
+    out = held(x)
+    expected = _int8_reference(x, weight)
+    assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # the rounding of the inputs is the whole difference from the fp32 product: about 1% at most here
+    assert (out.double() - x.double() @ weight.double().t()).abs().max() < 0.05 * expected.abs().max()
+    for rows in (*range(1, 10), 17):  # any row alone or among others: the same bits
+        assert torch.equal(held(x[:rows]), out[:rows]), rows
+    assert torch.equal(held(x[9:12]), out[9:12])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(held(x), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_only_4_bit_and_q8_0_blocks_take_int8_activations():
+    g = torch.Generator().manual_seed(7)
+    raw = torch.randn(16, 64, generator=g)
+    assert products.NativeWeight.of(raw, "none", "int8").activations == "float"  # fp32 weights: float inputs
+    assert products.NativeWeight.of(raw, "int8", "int8").activations == "float"  # per-channel int8: float inputs
+    assert products.NativeWeight.of(raw, "int4", "int8").kind == products.KINDS["int4", "int8"]
+    assert products.q8_0(raw, "int8").kind == products.KINDS["q8_0", "int8"]
+    with pytest.raises(ValueError, match="choose one of"):
+        products.NativeWeight.of(raw, "int4", "int16")

@@ -179,6 +179,241 @@ static void run(const float* x, const void* w, const float* sc, const float* bia
   });
 }
 
+// ---- integer products: the activations rounded to int8 per group of 32 inputs, as llama.cpp's Q8 activations ----
+// A row's group: dx = max |x| / 127, q = nearest(x / dx) in -127..127, s = dx * sum(q). A weight group (int4: w = d *
+// qw + m; q8_0: w = d * qw) against it: d * dx * sum(qw * q) + m * s, the integer sum exact, so only the scaling and
+// the adding of groups round, in one fixed order per row whatever the row count (§7). KIND 5 takes int4 blocks (kind
+// 3's data), KIND 6 q8_0 blocks (kind 4's); x of an int4 product keeps each group's even inputs then its odd ones, as a
+// group's bytes hold them (low nibbles, high nibbles).
+
+struct Quantized {
+  std::vector<int8_t> q;   // [R, K], a group's order as its weights' (above)
+  std::vector<float> ds;   // [R, K / 32, 2]: (dx, s)
+  std::vector<float> dx;   // [R, K / 32, 8]: dx in 8 lanes, a vector's lanes of its group (AVX512)
+};
+
+template <int KIND>
+static Quantized quantize_rows(const float* x, int64_t R, int64_t K) {
+  Quantized out{std::vector<int8_t>(R * K), std::vector<float>(R * (K / 32) * 2), std::vector<float>(R * (K / 32) * 8)};
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < K / 32; ++g) {
+      const float* src = x + r * K + g * 32;
+      int8_t* dst = out.q.data() + r * K + g * 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      {
+        const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        // nearest, ties to even (the default rounding): std::nearbyint's values
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        if (KIND == 5) {  // even inputs, then odd
+          const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+          const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qa, even, qb)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qa, odd, qb)));
+        } else {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
+        }
+        out.ds[(r * (K / 32) + g) * 2] = dx;
+        out.ds[(r * (K / 32) + g) * 2 + 1] = dx * static_cast<float>(sum);
+        for (int i = 0; i < 8; ++i) out.dx[(r * (K / 32) + g) * 8 + i] = dx;
+        continue;
+      }
+#endif
+      float amax = 0.f;
+      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(src[k]));
+      const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(src[k] * inv));
+        const int32_t c = std::min(127, std::max(-127, v));
+        dst[KIND == 5 ? (k & 1) * 16 + k / 2 : k] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      out.ds[(r * (K / 32) + g) * 2] = dx;
+      out.ds[(r * (K / 32) + g) * 2 + 1] = dx * static_cast<float>(sum);
+      for (int i = 0; i < 8; ++i) out.dx[(r * (K / 32) + g) * 8 + i] = dx;
+    }
+  return out;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// a pair of groups' weights as 64 unsigned bytes (int4: each group's low nibbles then its high ones; q8_0: |w|) and,
+// for q8_0, which are negative; `one`: the row's last group alone (an odd count), the second half zero
+template <int KIND>
+static inline __m512i pair_weights(const void* w, int64_t o, int64_t g, int64_t K, bool one, __mmask64* negative) {
+  if (KIND == 5) {
+    const uint8_t* p = static_cast<const uint8_t*>(w) + o * (K / 2) + g * 16;
+    const __m256i b = one ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i f = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(b, f), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), f);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [g lo, g1 lo, g hi, g1 hi]
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));            // [g lo, g hi, g1 lo, g1 hi]
+  }
+  const int8_t* p = static_cast<const int8_t*>(w) + o * K + g * 32;
+  const __m512i v = one ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p) : _mm512_loadu_si512(p);
+  *negative = _mm512_movepi8_mask(v);
+  return _mm512_abs_epi8(v);
+}
+
+constexpr int64_t QROWS = 8;  // rows per unpacking of a pair of groups: their sums in 16 of the 32 registers
+// ROWS rows against the block's NB outputs, two groups a vector: 16 lanes of integer sums (vpdpbusd: 4 products
+// each, exact), each scaled by its group's d dx into its lane's fp32 sum; the m s of int4 in 4 lanes beside; the
+// lanes added in one fixed order
+template <int KIND, int ROWS>
+static inline void q_block(const Quantized& xq, int64_t r0, const void* w, const float* sc, int64_t o, int64_t K,
+                           float* part) {
+  const int64_t G = K / 32;
+  const __m512i idx = KIND == 5 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
+                                : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int64_t j = 0; j < NB; ++j) {
+    __m512 acc[ROWS];
+    __m128 macc[ROWS];
+    for (int r = 0; r < ROWS; ++r) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm_setzero_ps(); }
+    for (int64_t g = 0; g < G; g += 2) {
+      const bool one = g + 1 == G;
+      __mmask64 negative = 0;
+      if ((g & 3) == 0) {
+        if (KIND == 5) prefetch(static_cast<const uint8_t*>(w) + (o + j) * (K / 2) + g * 16, sc + ((o + j) * G + g) * 2, 1024, 512);
+        else prefetch(static_cast<const int8_t*>(w) + (o + j) * K + g * 32, sc + (o + j) * G + g, 2048, 256);
+      }
+      const __m512i wv = pair_weights<KIND>(w, o + j, g, K, one, &negative);
+      // int4: (d, m) of both groups; q8_0: d of both (the second zero when one)
+      const float* ws = KIND == 5 ? sc + ((o + j) * G + g) * 2 : sc + (o + j) * G + g;
+      const __m128 wd = KIND == 5 ? (one ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws))) : _mm_loadu_ps(ws))
+                                  : (one ? _mm_load_ss(ws) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws))));
+      const __m512 dw = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(wd));  // d of a lane's group
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xp = xq.q.data() + row * K + g * 32;
+        const float* dxp = xq.dx.data() + (row * G + g) * 8;
+        __m512i xv = one ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xp) : _mm512_loadu_si512(xp);
+        if (KIND == 6) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+        const __m512 scale = _mm512_mul_ps(dw, one ? _mm512_maskz_loadu_ps(0x00FF, dxp) : _mm512_loadu_ps(dxp));
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+        if (KIND == 5) {  // (d dx, m s) of both groups: m s in lanes 1 and 3
+          const float* ds = xq.ds.data() + (row * G + g) * 2;
+          const __m128 xs = one ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ds))) : _mm_loadu_ps(ds);
+          macc[r] = _mm_fmadd_ps(wd, xs, macc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      alignas(64) float l[16];
+      _mm512_store_ps(l, acc[r]);
+      float a = 0.f;
+      for (int i = 0; i < 16; i += 4) a += (l[i] + l[i + 2]) + (l[i + 1] + l[i + 3]);
+      if (KIND == 5) {
+        alignas(16) float m[4];
+        _mm_store_ps(m, macc[r]);
+        a += m[1] + m[3];
+      }
+      part[r * NB + j] = a;
+    }
+  }
+}
+#elif defined(__AVX2__)
+constexpr int64_t QROWS = 4;  // rows per unpacking of a group: their sums and the rest fit 16 registers
+template <int KIND, int ROWS>
+static inline void q_block(const Quantized& xq, int64_t r0, const void* w, const float* sc, int64_t o, int64_t K,
+                           float* part) {
+  const int64_t G = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t j = 0; j < NB; ++j) {
+    __m256 acc[ROWS];
+    float macc[ROWS];
+    for (int r = 0; r < ROWS; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i wv;
+      if (KIND == 5) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w) + (o + j) * (K / 2) + g * 16));
+        const __m128i m4 = _mm_set1_epi8(15);
+        wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+      } else {
+        wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(w) + (o + j) * K + g * 32));
+      }
+      const __m256 d = _mm256_set1_ps(KIND == 5 ? sc[((o + j) * G + g) * 2] : sc[(o + j) * G + g]);
+      const float m = KIND == 5 ? sc[((o + j) * G + g) * 2 + 1] : 0.f;
+      const __m256i wabs = KIND == 5 ? wv : _mm256_sign_epi8(wv, wv);
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = r0 + r;
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + row * K + g * 32));
+        if (KIND == 6) xv = _mm256_sign_epi8(xv, wv);
+        const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(xq.dx.data() + (row * G + g) * 8));  // d dx
+        // 16-bit pair sums of at most 2 * 127 * 127 (|q8_0| or a nibble times |x|): no saturation
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+        if (KIND == 5) macc[r] = macc[r] + m * xq.ds[(row * G + g) * 2 + 1];
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) part[r * NB + j] = lanes((vec)acc[r]) + macc[r];
+  }
+}
+#else
+constexpr int64_t QROWS = 8;
+template <int KIND, int ROWS>
+static inline void q_block(const Quantized& xq, int64_t r0, const void* w, const float* sc, int64_t o, int64_t K,
+                           float* part) {
+  const int64_t G = K / 32;
+  for (int64_t j = 0; j < NB; ++j)
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = r0 + r;
+      float acc = 0.f, macc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* xv = xq.q.data() + row * K + g * 32;
+        int32_t sum = 0;
+        for (int k = 0; k < 32; ++k) {
+          int32_t wq;
+          if (KIND == 5) {
+            const uint8_t byte = static_cast<const uint8_t*>(w)[(o + j) * (K / 2) + g * 16 + k % 16];
+            wq = k < 16 ? byte & 15 : byte >> 4;
+          } else {
+            wq = static_cast<const int8_t*>(w)[(o + j) * K + g * 32 + k];
+          }
+          sum += wq * xv[k];
+        }
+        const float* xs = xq.ds.data() + (row * G + g) * 2;
+        const float d = KIND == 5 ? sc[((o + j) * G + g) * 2] : sc[(o + j) * G + g];
+        acc = acc + static_cast<float>(sum) * (d * xs[0]);
+        if (KIND == 5) macc = macc + sc[((o + j) * G + g) * 2 + 1] * xs[1];
+      }
+      part[r * NB + j] = acc + macc;
+    }
+}
+#endif
+
+template <int KIND>
+static void run_q(const float* x, const void* w, const float* sc, const float* bias, float* y, int64_t R, int64_t K,
+                  int64_t O) {
+  const Quantized xq = quantize_rows<KIND>(x, R, K);
+  at::parallel_for(0, O / NB, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> part(R * NB);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t o = blk * NB;
+      for (int64_t r = 0; r < R; r += QROWS) {
+        float* pr = &part[r * NB];
+        switch (std::min<int64_t>(R - r, QROWS)) {
+          case 1: q_block<KIND, 1>(xq, r, w, sc, o, K, pr); break;
+          case 2: q_block<KIND, 2>(xq, r, w, sc, o, K, pr); break;
+          case 3: q_block<KIND, 3>(xq, r, w, sc, o, K, pr); break;
+          case 4: q_block<KIND, 4>(xq, r, w, sc, o, K, pr); break;
+          case 5: q_block<KIND, 5>(xq, r, w, sc, o, K, pr); break;
+          case 6: q_block<KIND, 6>(xq, r, w, sc, o, K, pr); break;
+          case 7: q_block<KIND, 7>(xq, r, w, sc, o, K, pr); break;
+          default: q_block<KIND, 8>(xq, r, w, sc, o, K, pr); break;
+        }
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < NB; ++j) y[r * O + o + j] = bias ? part[r * NB + j] + bias[o + j] : part[r * NB + j];
+    }
+  });
+}
+
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, int64_t kind, torch::Tensor scales, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "rows_linear: x [R, K] and w contiguous");
   const int64_t R = x.size(0), K = x.size(1), O = w.size(0);
@@ -197,7 +432,9 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, int64_t kind, torch:
     case 2: run<2>(xp, wp, sc, b, yp, R, K, O); break;
     case 3: run<3>(xp, wp, sc, b, yp, R, K, O); break;
     case 4: run<4>(xp, wp, sc, b, yp, R, K, O); break;
-    default: TORCH_CHECK(false, "rows_linear: kind 0..4");
+    case 5: run_q<5>(xp, wp, sc, b, yp, R, K, O); break;
+    case 6: run_q<6>(xp, wp, sc, b, yp, R, K, O); break;
+    default: TORCH_CHECK(false, "rows_linear: kind 0..6");
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

@@ -9,7 +9,9 @@ static inline void linear(int64_t kind, const float* x, const torch::Tensor& w, 
     case 1: rp::run<1>(x, wp, s, bias, y, R, K, O); break;
     case 2: rp::run<2>(x, wp, s, bias, y, R, K, O); break;
     case 3: rp::run<3>(x, wp, s, bias, y, R, K, O); break;
-    default: rp::run<4>(x, wp, s, bias, y, R, K, O); break;
+    case 4: rp::run<4>(x, wp, s, bias, y, R, K, O); break;
+    case 5: rp::run_q<5>(x, wp, s, bias, y, R, K, O); break;
+    default: rp::run_q<6>(x, wp, s, bias, y, R, K, O); break;
   }
 }
 
@@ -52,7 +54,7 @@ struct Model {
       layers.push_back(Layer{t[i], t[i + 1], t[i + 2], t[i + 3], t[i + 4], t[i + 5], t[i + 6], t[i + 7], t[i + 8],
                              t[i + 9], t[i + 10], kinds[l], kinds[l + 1], kinds[l + 2], kinds[l + 3]});
     H = layers[0].in_norm.numel();
-    I = layers[0].down.size(1) * (layers[0].down_kind == 3 ? 2 : 1);
+    I = layers[0].down.size(1) * (layers[0].down_kind == 3 || layers[0].down_kind == 5 ? 2 : 1);
   }
 
   // x [n, H] fp32 (the embeddings): the last layer's output [n, H]. cos, ssin [n, hd]: `llama.rotary_tables`'.
