@@ -26,8 +26,8 @@ class ModelConfig(BaseModel):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto = fp16 on CUDA; on CPU bf16 where the CPU has native bf16 (a tree step costs a "
         "third of fp32's, an AR step about the same), else fp32; and fp32 for the embedded model on a CPU without "
-        "AMX where the C++ kernels serve (its GGUF blocks read as they are: a step half of bf16's). Greedy output "
-        "equals greedy decoding in that dtype (bf16/fp16 on CUDA, or on a CPU without a C++ compiler: except at "
+        "AMX where the C++ kernels serve (its GGUF blocks read as they are, on int8 inputs: --activations). Greedy "
+        "output equals greedy decoding in that dtype (bf16/fp16 on CUDA, or on a CPU without a C++ compiler: except at "
         "float ties; there bit-stable labels need fp32)")
     device: str = Field("auto", description="cpu | cuda[:N] | auto (a GPU if torch sees one). In the Ray job an actor "
                         "without GPUs (--gpus-per-actor) runs on cpu, one with GPUs on the GPU Ray assigned it, whatever "
@@ -36,6 +36,12 @@ class ModelConfig(BaseModel):
         "none", description="weight-only quantization of the base model's decoder layers: int8 per output channel, "
         "int4 in groups of 32 inputs (activations stay in --dtype). Greedy output equals greedy decoding of the same "
         "quantized model; how far that is from the unquantized one: README (quantized weights)")
+    activations: Literal["auto", "float", "int8"] = Field(
+        "auto", description="the inputs of the CPU products over 4-bit or Q8_0 weights: int8 rounds them per group of "
+        "32 and sums integers, as llama.cpp does with the same GGUF blocks (the embedded model's one-token step about "
+        "0.75x float's; argmax as close to fp32's as llama.cpp's); float keeps them in --dtype. auto = int8 where "
+        "--dtype auto runs the embedded model's blocks in fp32 on CPU, else float. Greedy output equals greedy "
+        "decoding with the same inputs")
     chat_format: Literal["auto", "template", "vicuna_v1.1", "raw"] = Field(
         "auto", description="template = the tokenizer's own; auto picks vicuna_v1.1 for Vicuna models, else the "
         "tokenizer's template when it has one")

@@ -167,7 +167,8 @@ def tree_costs(stack, prompt_ids: list[int], with_llama_cpp: bool, repeats: int)
         print(f"| {system} | {one:.2f} | " + " | ".join(f"{costs[system][n] / one:.2f}x" for n in list(trees)[1:])
               + " |")
     print(json.dumps({"verify_ms": costs, "weight_bytes": weight_bytes, "weight_read_ms": 1e3 * floor_s,
-                      "dtype": str(loaded.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                      "dtype": str(loaded.dtype).removeprefix("torch."), "activations": loaded.activations,
+                      "threads": torch.get_num_threads(),
                       "repeats": repeats}))
     return 0
 
@@ -198,7 +199,7 @@ def attention_costs(stack, prompts: list[list[int]], repeats: int, policy=None, 
         costs[len(ids)] = {name: {n: statistics.median(r[n] for r in rs) for n in trees} for name, rs in rounds.items()}
         for name, by_size in costs[len(ids)].items():
             print(f"| {len(ids)} | {name} | " + " | ".join(f"{ms:.2f}" for ms in by_size.values()) + " |")
-    summary = {"verify_ms": costs, "dtype": str(loaded.dtype).removeprefix("torch."),
+    summary = {"verify_ms": costs, "dtype": str(loaded.dtype).removeprefix("torch."), "activations": loaded.activations,
                "threads": torch.get_num_threads(), "repeats": repeats}
     if policy is not None:
         summary["policy"] = policy_speeds(stack, policy, prompts, max_new_tokens, repeats)
@@ -264,6 +265,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"])
+    parser.add_argument("--activations", default="auto", choices=["auto", "float", "int8"],
+                        help="the CPU products' inputs over 4-bit/Q8_0 weights (the job's --activations)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--device", default="auto", help="cpu | cuda[:N] | auto (inputs go to the model's device, and "
                         "every clock is read after the device has finished)")
@@ -300,7 +303,8 @@ def main(argv=None) -> int:
                 load_topology(name)
             except (ValueError, OSError) as exc:
                 parser.error(f"--trees {name}: {exc}" + ("" if bank else "; bank trees need --bank FILE"))
-    stack = load_stack(ModelConfig(heads=args.heads, dtype=args.dtype, device=args.device), with_heads=True)
+    stack = load_stack(ModelConfig(heads=args.heads, dtype=args.dtype, device=args.device,
+                                   activations=args.activations), with_heads=True)
     loaded = stack.loaded
     with open(args.prompts_file) as f:
         prompts = [loaded.encode_prompt(json.loads(line)["prompt"]) for line in f if line.strip()]

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     try:
         model_cfg = config_from_args(ModelConfig, args)
         loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format,
-                            model_cfg.quantize)
+                            model_cfg.quantize, activations=model_cfg.activations)
         topology = load_topology(args.tree)
         text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
     except (ValueError, FileNotFoundError, OSError) as exc:

@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="the bank's model (default: the embedded one)")
     parser.add_argument("--heads", default=None, help="its heads (default: the shipped ones)")
     parser.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16", "fp16"])
+    parser.add_argument("--activations", default="auto", choices=["auto", "float", "int8"],
+                        help="the CPU products' inputs (the job's --activations; auto follows --dtype as a job's does)")
     parser.add_argument("--prompts-file", default="examples/bench_prompts.jsonl",
                         help="prompts the steps are timed on (their length, not their content, sets a step's cost)")
     parser.add_argument("--prompts", type=int, default=3)
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
     bank = load_bank(args.bank)
     with open(args.prompts_file) as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()][: args.prompts]
-    model = ModelConfig(dtype=args.dtype, **{k: v for k, v in (("model", args.model), ("heads", args.heads)) if v})
+    model = ModelConfig(dtype=args.dtype, activations=args.activations,
+                        **{k: v for k, v in (("model", args.model), ("heads", args.heads)) if v})
     engine = Engine(model, DecodingConfig(policy="hydra", max_new_tokens=args.new_tokens))
     trees = {t.name: bank.topology(t.name) for t in bank.trees}
     with tempfile.TemporaryDirectory() as work:
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
               + ("entmtp-tau runs the star as before" if pair_ran_star else
                  f"the switching pair dropped (replayed on the old costs); was star {bank.policy.star}"))
     selection = Selection(by="replay", held_out=0, candidates=[], reason=reason)
-    hardware = current_hardware(engine.loaded.device, engine.loaded.dtype, 1, engine.loaded.quantize)
+    hardware = current_hardware(engine.loaded.device, engine.loaded.dtype, 1, engine.loaded.quantize,
+                                engine.loaded.activations)
     hardware = hardware.model_copy(update={"threads": args.threads})
     out = bank.model_copy(update={"trees": retimed, "policy": policy, "selection": selection, "hardware": hardware})
     save_bank(out, args.out)

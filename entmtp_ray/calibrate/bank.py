@@ -58,6 +58,8 @@ class Hardware(BaseModel):
                              "times were measured at: a tree's cost per request depends on how many share a forward")
     quantize: str = Field("none", description="the base model's weight quantization (--quantize) the step times "
                           "were measured with: it changes what a step of each tree size costs")
+    activations: str = Field("float", description="the CPU products' inputs (--activations, resolved) the step times "
+                             "were measured with: int8 makes every row cheaper; float in older files")
     backend: str = Field("", description="on a GPU, the torch and CUDA (or ROCm) versions the step times were "
                          "measured with: their kernels set what a step costs; empty on a CPU, and in older files")
 
@@ -72,7 +74,7 @@ class Hardware(BaseModel):
         CPU step on its threads instead of a backend."""
         if self.on_gpu:
             return "device", "dtype", "backend", "concurrency", "quantize"
-        return "device", "threads", "dtype", "concurrency", "quantize"
+        return "device", "threads", "dtype", "concurrency", "quantize", "activations"
 
     def same_as(self, other: Hardware) -> bool:
         """Step costs measured here would be measured there too (a warning when a bank runs elsewhere)."""
@@ -102,12 +104,14 @@ class Hardware(BaseModel):
         (concurrency 1, no quantization, no backend), so banks cached before they were settings keep their keys."""
         if self.on_gpu:
             return self.model_dump(include=set(self.step_cost))
-        return self.model_dump(exclude={"backend"} | {name for name, old in (("concurrency", 1), ("quantize", "none"))
+        return self.model_dump(exclude={"backend"} | {name for name, old in (("concurrency", 1), ("quantize", "none"),
+                                                                             ("activations", "float"))
                                                       if getattr(self, name) == old})
 
     def describe(self) -> str:
         extra = ([f"{self.concurrency} concurrent requests"] if self.concurrency > 1 else []) + (
-            [f"{self.quantize} weights"] if self.quantize != "none" else [])
+            [f"{self.quantize} weights"] if self.quantize != "none" else []) + (
+            [f"{self.activations} activations"] if self.activations != "float" else [])
         if self.on_gpu:
             return f"{self.device} ({', '.join([self.dtype, self.backend or 'backend not recorded', *extra])})"
         return f"{self.device} ({', '.join([f'{self.threads} threads', self.dtype, *extra])})"
@@ -253,13 +257,13 @@ def resolve_bank_path(model_name: str, task: str | None, bank: str | None, actor
 
 
 def current_hardware(device: torch.device | str, dtype: torch.dtype | str, concurrency: int = 1,
-                     quantize: str = "none") -> Hardware:
+                     quantize: str = "none", activations: str = "float") -> Hardware:
     """The hardware a bank measured here would record (Hardware.step_cost: what its step times depend on)."""
     device = torch.device(device)
     on_gpu = device.type == "cuda"
     return Hardware(device=torch.cuda.get_device_name(device) if on_gpu else "cpu", threads=torch.get_num_threads(),
                     dtype=str(dtype).replace("torch.", ""), machine=machine_name(), concurrency=concurrency,
-                    quantize=quantize, backend=gpu_backend() if on_gpu else "")
+                    quantize=quantize, activations=activations, backend=gpu_backend() if on_gpu else "")
 
 
 def gpu_backend() -> str:

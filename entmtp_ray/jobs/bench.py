@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     stack = load_stack(model_cfg, with_heads=drafts)
     loaded = stack.loaded
     if bank is not None:
-        warn_if_other_hardware(bank, current_hardware(loaded.device, loaded.dtype, quantize=loaded.quantize), bank_path)
+        warn_if_other_hardware(bank, current_hardware(loaded.device, loaded.dtype, quantize=loaded.quantize,
+                                                      activations=loaded.activations), bank_path)
     bench = Bench(stack, systems, args.task, bank, model_cfg.model, str(bank_path) if bank_path else None, threads,
                   args.seed, other_banks)
     prompts = []
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     ar_greedy = [r for r in rows if r["policy"] == "ar" and r["temperature"] == 0 and r["error"] is None]
     ar_steps = sum(r["steps"] for r in ar_greedy)
     setup = {"machine": current_hardware(loaded.device, loaded.dtype, quantize=loaded.quantize).machine, "device": str(loaded.device),
-             "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads,
+             "dtype": str(loaded.dtype).removeprefix("torch."), "activations": loaded.activations, "threads": threads,
              "draft vocabulary": stack.draft_vocab_size or "full", "weights MB": round(weight_bytes / 1e6),
              "weights read once (ms)": round(1e3 * floor_s, 2),
              "read GB/s": round(weight_bytes / floor_s / 1e9, 1)}
@@ -276,7 +277,8 @@ def throughput_main(args) -> int:
     greedy = check_greedy(loaded, prompts, outcomes)
     lines = summarize(outcomes, greedy)
     setup = {"machine": current_hardware(loaded.device, loaded.dtype, quantize=loaded.quantize).machine, "device": str(loaded.device),
-             "dtype": str(loaded.dtype).removeprefix("torch."), "threads": threads, "prompts": len(prompts),
+             "dtype": str(loaded.dtype).removeprefix("torch."), "activations": loaded.activations, "threads": threads,
+             "prompts": len(prompts),
              "max new tokens": args.max_new_tokens, "repeats": args.repeats}
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)

@@ -70,23 +70,34 @@ class Projection:
     quantized: QuantWeight | None = None
     # the weight for the row products (products.py): on CPU, every product without autograd takes it (§8)
     native: products.NativeWeight | None = None
+    # the products' inputs asked for (`set_activations`): what `activations` holds where the weight takes it
+    marked_activations: str = "float"
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str = "none") -> Projection:
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str = "none",
+           activations: str = "float") -> Projection:
+        """`activations` int8: the row products take their inputs rounded to int8 where they hold 4-bit or Q8_0
+        blocks (products.NativeWeight.integer); every other product keeps float inputs."""
         packed, quantized, native = None, None, None
         with torch.no_grad():
             if _takes_native(weight, scheme):
-                native = products.NativeWeight.of(weight, scheme)
+                native = products.NativeWeight.of(weight, scheme, activations)
             elif scheme != "none":
                 quantized = quantize(weight, scheme)
             elif weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_packing():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        return cls(weight, bias, packed, weight_key(weight), quantized=quantized, native=native)
+        return cls(weight, bias, packed, weight_key(weight), quantized=quantized, native=native,
+                   marked_activations=activations)
 
     @property
     def scheme(self) -> str:
         held = self.native or self.quantized
         return held.scheme if held is not None else "none"
+
+    @property
+    def activations(self) -> str:
+        """int8 where the products round their inputs to int8 (products.ACTIVATIONS), else float."""
+        return self.native.activations if self.native is not None else "float"
 
     @property
     def row_invariant(self) -> bool:
@@ -97,13 +108,15 @@ class Projection:
     def for_drafting(self) -> Projection:
         """This projection for drafting, whose rounding no output depends on: one-row products through the faster
         GEMV (`draft_gemv`) where oneDNN packs, and an fp32 weight for the row products in Q8_0 blocks (a quarter of
-        its bytes: `products.q8_0`). Made once per projection (the projection is remade when its weight changes)."""
+        its bytes: `products.q8_0`) on int8 inputs (integer products, faster than widening the blocks to fp32,
+        whatever the model's --activations). Made once per projection (the projection is remade when its weight
+        changes)."""
         made = self.__dict__.get("_drafting")
         if made is None:
             native = self.native
             if native is not None and native.kind == products.KINDS[torch.float32, "none"] \
                     and self.weight.shape[1] % 32 == 0:
-                native = products.q8_0(self.weight)
+                native = products.q8_0(self.weight, "int8")
             made = dataclasses.replace(self, draft_gemv=self.packed is not None, native=native)
             object.__setattr__(self, "_drafting", made)  # a memo on a frozen dataclass: not a field
         return made
@@ -156,9 +169,10 @@ def projection(layer: torch.nn.Linear) -> Projection:
     """The layer's Projection, built on first use and again if its weight was replaced or updated, or its
     quantization (`set_quantization`) changed."""
     cached = layer.__dict__.get("_entmtp_projection")
-    scheme = quantization(layer)
-    if cached is None or cached.source != weight_key(layer.weight) or cached.scheme != scheme:
-        cached = Projection.of(layer.weight, layer.bias, scheme)
+    scheme, inputs = quantization(layer), activations(layer)
+    if cached is None or cached.source != weight_key(layer.weight) or cached.scheme != scheme \
+            or cached.marked_activations != inputs:
+        cached = Projection.of(layer.weight, layer.bias, scheme, inputs)
         layer.__dict__["_entmtp_projection"] = cached
     return cached
 
@@ -170,6 +184,18 @@ def set_quantization(layer: torch.nn.Linear, scheme: str) -> None:
 
 def quantization(layer: torch.nn.Linear) -> str:
     return layer.__dict__.get("_entmtp_quantize", "none")
+
+
+def set_activations(layer: torch.nn.Linear, inputs: str) -> None:
+    """Mark a linear layer's products to take their inputs as `inputs` (products.ACTIVATIONS); its Projection is
+    rebuilt on next use."""
+    if inputs not in products.ACTIVATIONS:
+        raise ValueError(f"activations {inputs!r}: choose one of {list(products.ACTIVATIONS)}")
+    layer.__dict__["_entmtp_activations"] = inputs
+
+
+def activations(layer: torch.nn.Linear) -> str:
+    return layer.__dict__.get("_entmtp_activations", "float")
 
 
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -190,6 +216,7 @@ class FusedProjections:
     gate_up: Projection  # H -> 2 * I
     source: tuple[tuple[int, int], ...]
     scheme: str = "none"  # the parts' quantization (`set_quantization` on each)
+    activations: str = "float"  # the parts' inputs (`set_activations` on each)
 
 
 def _share(parts: list[torch.nn.Linear], fused: torch.Tensor, attribute: str) -> None:
@@ -209,8 +236,9 @@ def fused_projections(layer: torch.nn.Module) -> FusedProjections:
     attn, block = layer.self_attn, layer.mlp
     qkv_parts, gate_up_parts = [attn.q_proj, attn.k_proj, attn.v_proj], [block.gate_proj, block.up_proj]
     fused = layer.__dict__.get("_entmtp_fused")
-    scheme = quantization(attn.q_proj)
-    if fused is not None and fused.source == _parts_key(qkv_parts + gate_up_parts) and fused.scheme == scheme:
+    scheme, inputs = quantization(attn.q_proj), activations(attn.q_proj)
+    if fused is not None and fused.source == _parts_key(qkv_parts + gate_up_parts) and fused.scheme == scheme \
+            and fused.activations == inputs:
         return fused
     with torch.inference_mode(False), torch.no_grad():  # plain tensors: the weights stay usable for training
         qkv = torch.cat([p.weight for p in qkv_parts])
@@ -220,8 +248,8 @@ def fused_projections(layer: torch.nn.Module) -> FusedProjections:
         if bias is not None:
             _share(qkv_parts, bias, "bias")
         _share(gate_up_parts, gate_up, "weight")
-    fused = FusedProjections(Projection.of(qkv, bias, scheme), Projection.of(gate_up, None, scheme),
-                             _parts_key(qkv_parts + gate_up_parts), scheme)
+    fused = FusedProjections(Projection.of(qkv, bias, scheme, inputs), Projection.of(gate_up, None, scheme, inputs),
+                             _parts_key(qkv_parts + gate_up_parts), scheme, inputs)
     layer.__dict__["_entmtp_fused"] = fused
     return fused
 
@@ -311,6 +339,17 @@ def quantize_model(model, scheme: str) -> None:
     head = model.lm_head.weight
     takes_head = scheme == "none" or unsupported(*head.shape, head.device.type, head.dtype, scheme) is None
     set_quantization(model.lm_head, scheme if takes_head else "none")
+    prepare(model)
+
+
+def set_model_activations(model, inputs: str) -> None:
+    """Mark every decoder-layer projection and the lm_head to take their inputs as `inputs` (products.ACTIVATIONS:
+    int8 rounds them per group of 32 where the row products hold 4-bit or Q8_0 blocks) and rebuild them now."""
+    for layer in model.model.layers:
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                set_activations(module, inputs)
+    set_activations(model.lm_head, inputs)
     prepare(model)
 
 

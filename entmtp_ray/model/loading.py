@@ -25,7 +25,7 @@ from entmtp_ray.assets import shipped_heads
 from entmtp_ray.config import EMBEDDED_MODEL
 from entmtp_ray.model import hub, layers, products
 from entmtp_ray.model.heads import HydraHeads, heads_depth, init_heads, load_draft_vocab, load_heads
-from entmtp_ray.model.kernels import LayerShapes, quantization_problem, quantize_model
+from entmtp_ray.model.kernels import LayerShapes, quantization_problem, quantize_model, set_model_activations
 from entmtp_ray.model.quant import SCHEMES
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class LoadedModel:
     device: torch.device
     eos_token_ids: frozenset[int]
     quantize: str = "none"  # quant.SCHEMES: the base model's products in int8/int4 (kernels.quantize_model)
+    activations: str = "float"  # products.ACTIVATIONS: int8 = 4-bit/Q8_0 products on int8 inputs (pick_activations)
 
     @property
     def max_positions(self) -> int:
@@ -167,6 +168,36 @@ def pick_dtype(dtype: str, device: torch.device, quantize: str = "none", model: 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {['auto', *DTYPES]}")
     return DTYPES[dtype]
+
+
+def pick_activations(activations: str, dtype: str, device: torch.device, quantize: str = "none",
+                     model: str | None = None) -> str:
+    """--activations made concrete (products.ACTIVATIONS). `auto` is int8 where --dtype auto runs a model's GGUF
+    blocks on the native step in fp32 (`blocks_step_serves`): its products then round their inputs to int8 per group
+    of 32 and sum integers, as llama.cpp does with the same blocks (on a 2-core AVX512-BF16 EPYC the one-token verify
+    took 3.8 ms against 5.1, and teacher-forced its argmax was fp32's on 97.7% of tokens, llama.cpp's on 97.2%:
+    docs/measurements.md, issue 51); else float. An explicit --dtype fp32 keeps float inputs: its products are the
+    weights' own values exactly. int8 asked for where nothing would take it is an error naming what does."""
+    if activations not in ("auto", *products.ACTIVATIONS):
+        raise ValueError(f"--activations {activations!r}: choose one of {['auto', *products.ACTIVATIONS]}")
+    if activations == "auto":
+        if dtype == "auto" and device.type == "cpu" and blocks_step_serves(model, quantize) \
+                and pick_dtype(dtype, device, quantize, model) == torch.float32:
+            return "int8"
+        return "float"
+    if activations == "int8":
+        if device.type != "cpu":
+            raise ValueError("--activations int8 runs on CPU (the row products); on a GPU use --activations auto")
+        blocks = model == EMBEDDED_MODEL and quantize == "none" and pick_dtype(dtype, device, quantize, model) == \
+            torch.float32
+        if not (blocks or quantize == "int4"):
+            raise ValueError(f"--activations int8 takes 4-bit or Q8_0 weights in the row products: the embedded model "
+                             f"in fp32 (--dtype fp32 or auto), or --quantize int4; --model {model} with --quantize "
+                             f"{quantize} has none (use --activations auto)")
+        if not products.native_expected():
+            raise ValueError("--activations int8 needs the C++ row products, which cannot be built here (no C++ "
+                             "compiler, or ENTMTP_NATIVE_PRODUCTS=0); install a compiler or use --activations auto")
+    return activations
 
 
 def cache_dir() -> Path:
@@ -293,10 +324,13 @@ def _tokenizer(path: str):
 
 
 def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "auto",
-               chat_format: str = "auto", quantize: str = "none", transformers_forward: bool = True) -> LoadedModel:
+               chat_format: str = "auto", quantize: str = "none", transformers_forward: bool = True,
+               activations: str = "auto") -> LoadedModel:
     """The model `name` ready to decode. `transformers_forward`: a transformers model, whose forward and generate
     training and the bench's baselines call; False (the job's actors) loads layers.py's containers where they hold
-    the checkpoint: the same weights, 3 s fewer imports on 2 cores before the first row."""
+    the checkpoint: the same weights, 3 s fewer imports on 2 cores before the first row. `activations`: the
+    products' inputs (pick_activations); transformers' own forward (training, the bench's hf baselines) keeps
+    float products whatever it is."""
     if chat_format not in CHAT_FORMATS:
         raise ValueError(f"--chat-format {chat_format!r}: choose one of {list(CHAT_FORMATS)}")
     if quantize not in SCHEMES:
@@ -304,6 +338,7 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
     dev = pick_device(device)
     check_quantization(name, quantize, dev.type, dtype)  # before the embedded model's conversion and any weights
     torch_dtype = pick_dtype(dtype, dev, quantize, name)
+    inputs = pick_activations(activations, dtype, dev, quantize, name)
     path = resolve_model_path(name)
     own = _own_modules(path, transformers_forward)
     try:
@@ -330,6 +365,8 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
                         "at 64 on such a host (docs/measurements.md, issue 38); install a C++ compiler, or drop "
                         "--quantize unless the weights must be smaller", quantize)
         quantize_model(model, quantize)
+    if inputs != "float":
+        set_model_activations(model, inputs)
     if chat_format == "auto":
         if "vicuna" in name.lower():
             chat_format = "vicuna_v1.1"
@@ -340,7 +377,7 @@ def load_model(name: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "a
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, chat_format=chat_format, dtype=torch_dtype,
-                       device=dev, eos_token_ids=frozenset(eos_ids), quantize=quantize)
+                       device=dev, eos_token_ids=frozenset(eos_ids), quantize=quantize, activations=inputs)
 
 
 def _transformers_tokenizer(path: str):

@@ -23,7 +23,8 @@ from entmtp_ray.decode.policy import POLICIES, Policy, make_policy
 from entmtp_ray.decode.static import static_capacity
 from entmtp_ray.decode.tree import make_topology
 from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, check_quantization,
-                                      draft_vocab_for, heads_source, load_model, load_model_heads, pick_dtype)
+                                      draft_vocab_for, heads_source, load_model, load_model_heads, pick_activations,
+                                      pick_dtype)
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,9 @@ def resolve(model_cfg: ModelConfig, decoding: DecodingConfig, actors: Actors | N
     check_model_source(model_cfg.model)
     device = model_cfg.device if actors is None else ("cuda" if actors.on_gpu else "cpu")
     check_quantization(model_cfg.model, model_cfg.quantize, device, model_cfg.dtype)
+    if device != "auto":  # --activations int8 where nothing takes it fails here, before any work
+        pick_activations(model_cfg.activations, model_cfg.dtype, torch.device(device.split(":")[0]),
+                         model_cfg.quantize, model_cfg.model)
     facts = actors or actors_here(model_cfg)  # which shipped variant of a bank suits them
     requested, source = resolve_policy(model_cfg, decoding, facts)
     if requested.bank == AUTO_BANK and requested.policy not in BANK_POLICIES:
@@ -204,7 +208,7 @@ class Stack:
 def load_stack(model_cfg: ModelConfig, with_heads: bool, transformers_forward: bool = True) -> Stack:
     """The model of `model_cfg`, and its heads and drafter when `with_heads` (`transformers_forward`: load_model)."""
     loaded = load_model(model_cfg.model, model_cfg.dtype, model_cfg.device, model_cfg.chat_format, model_cfg.quantize,
-                        transformers_forward)
+                        transformers_forward, model_cfg.activations)
     if not with_heads:
         return Stack(loaded, None, None, 0)
     heads = load_model_heads(loaded, model_cfg.heads)
@@ -218,5 +222,5 @@ def warn_if_bank_elsewhere(stack: Stack, resolved: Plan, concurrency: int = 1) -
     here): warn once."""
     if resolved.bank is not None:
         warn_if_other_hardware(resolved.bank, current_hardware(stack.loaded.device, stack.loaded.dtype, concurrency,
-                                                                 stack.loaded.quantize),
+                                                                 stack.loaded.quantize, stack.loaded.activations),
                                resolved.bank_label)

@@ -78,6 +78,7 @@ def measurement_key(engine: Engine) -> dict:
     content (new heads written over the same folder are other heads)."""
     cfg = engine.model_cfg
     return {"model": cfg.model, "dtype": str(engine.loaded.dtype), "quantize": engine.loaded.quantize,
+            **({"activations": engine.loaded.activations} if engine.loaded.activations != "float" else {}),
             "chat_format": engine.loaded.chat_format, "heads": heads_identity(cfg)[1],
             "draft_vocab": engine.stack.draft_vocab_size}
 
@@ -278,7 +279,7 @@ def build_bank(engine: Engine, rows: list[CalibrationRow], timing_prompts: list,
     bank = Bank(
         model=Path(engine.model_cfg.model).name, heads=project_relative(engine.heads_label), task=name,
         hardware=current_hardware(engine.loaded.device, engine.loaded.dtype, engine.concurrency,
-                                  engine.loaded.quantize),
+                                  engine.loaded.quantize, engine.loaded.activations),
         calibration={**calibration, "prompts": len(measured), "held_out": len(held), "max_new_tokens": max_new_tokens,
                      "positions": table.rows},
         created=datetime.date.today().isoformat(),

@@ -48,3 +48,37 @@ def test_the_kernels_count_as_serving_without_being_built_when_a_compiler_is_the
     assert native.buildable()  # built on this machine: no compiler needed
     monkeypatch.setattr(loading, "_cpu_flags", lambda: AVX512_BF16)
     assert loading.pick_dtype("auto", CPU, "none", EMBEDDED_MODEL) == torch.float32
+
+
+@pytest.mark.parametrize("flags, model, quantize, kernels, expected", [
+    (AVX2, EMBEDDED_MODEL, "none", True, "int8"),  # fp32 on the native step: its blocks on int8 inputs
+    (AVX512_BF16, EMBEDDED_MODEL, "none", True, "int8"),
+    (AVX512_BF16, EMBEDDED_MODEL, "none", False, "float"),  # no compiler: bf16 Python layers
+    (AMX, EMBEDDED_MODEL, "none", True, "float"),  # bf16 on oneDNN: no blocks
+    (AVX2, "lmsys/vicuna-7b-v1.3", "none", True, "float"),  # fp32 weights: no blocks
+    (AVX2, EMBEDDED_MODEL, "int4", True, "float"),  # a scheme asked for: its products as they were
+])
+def test_auto_activations_are_int8_where_auto_runs_gguf_blocks_on_the_native_step(monkeypatch, flags, model, quantize,
+                                                                                   kernels, expected):
+    monkeypatch.setattr(loading, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(loading.products, "native_expected", lambda: kernels)
+    assert loading.pick_activations("auto", "auto", CPU, quantize, model) == expected
+    # an explicit --dtype fp32 keeps the weights' own values exactly; a GPU has no row products
+    assert loading.pick_activations("auto", "fp32", CPU, quantize, model) == "float"
+    assert loading.pick_activations("auto", "auto", torch.device("cuda"), quantize, model) == "float"
+
+
+def test_int8_activations_asked_for_where_nothing_takes_them_fail_naming_what_does(monkeypatch):
+    monkeypatch.setattr(loading, "_cpu_flags", lambda: AVX512_BF16)
+    monkeypatch.setattr(loading.products, "native_expected", lambda: True)
+    assert loading.pick_activations("int8", "fp32", CPU, "none", EMBEDDED_MODEL) == "int8"
+    assert loading.pick_activations("int8", "bf16", CPU, "int4", "lmsys/vicuna-7b-v1.3") == "int8"
+    with pytest.raises(ValueError, match="the embedded model in fp32 .* or --quantize int4"):
+        loading.pick_activations("int8", "bf16", CPU, "none", EMBEDDED_MODEL)
+    with pytest.raises(ValueError, match="on CPU"):
+        loading.pick_activations("int8", "auto", torch.device("cuda"), "int4", EMBEDDED_MODEL)
+    with pytest.raises(ValueError, match="choose one of"):
+        loading.pick_activations("int4", "auto", CPU, "none", EMBEDDED_MODEL)
+    monkeypatch.setattr(loading.products, "native_expected", lambda: False)
+    with pytest.raises(ValueError, match="C\\+\\+ row products"):
+        loading.pick_activations("int8", "fp32", CPU, "none", EMBEDDED_MODEL)

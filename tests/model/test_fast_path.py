@@ -3,7 +3,6 @@ weights (shared, and rebuilt when a weight changes), and drafting over a draft v
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -95,16 +94,24 @@ def test_head_plan_is_the_head_mlp(dtype):
     heads.to(dtype)
     rows = torch.randn(4, 3 * model.config.hidden_size).to(dtype)
     if dtype == torch.float32 and products.native_ready():
-        # fp32 drafting multiplies Q8_0 blocks of the weights (a quarter of the bytes; drafts only steer which
-        # tokens are verified): the MLP with its weights rounded so, up to the products' own rounding
-        blocked = copy.deepcopy(heads.mlps[1])
-        with torch.no_grad():
-            for module in blocked.modules():
-                if isinstance(module, torch.nn.Linear):
-                    held = products.q8_0(module.weight)
-                    module.weight.copy_(held.data.float() * held.scales.repeat_interleave(32, dim=1))
+        # fp32 drafting multiplies Q8_0 blocks of the weights on int8 inputs (integer products; drafts only steer
+        # which tokens are verified): the MLP with its weights and each product's inputs rounded so, up to the
+        # products' own rounding
+        mlp = heads.mlps[1]
+
+        def rounded(x, layer):
+            held = products.q8_0(layer.weight)
+            weight = held.data.float() * held.scales.repeat_interleave(32, dim=1)
+            groups = x.reshape(x.shape[0], -1, 32)
+            amax = groups.abs().amax(-1, keepdim=True)
+            q = torch.round(groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+            return (q * (amax / 127)).reshape(x.shape) @ weight.t() + layer.bias
+
         with torch.inference_mode():
-            torch.testing.assert_close(HeadPlan.of(heads.mlps[1])(rows), blocked(rows), atol=1e-4, rtol=1e-4)
+            x = rounded(rows, mlp.first_res) + torch.nn.functional.silu(rounded(rows, mlp.first_linear))
+            for _ in range(mlp.repeats):
+                x = x + torch.nn.functional.silu(rounded(x, mlp.block))
+            torch.testing.assert_close(HeadPlan.of(mlp)(rows), x, atol=1e-4, rtol=1e-4)
         return
     with torch.inference_mode():
         assert torch.equal(HeadPlan.of(heads.mlps[1])(rows), heads.mlps[1](rows))  # multi-row: same kernels

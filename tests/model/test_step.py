@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from entmtp_ray.model import native, products, step
-from entmtp_ray.model.kernels import prepare, quantize_model
+from entmtp_ray.model.kernels import prepare, quantize_model, set_model_activations
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
 from helpers.tiny import as_gguf_blocks, make_tiny_llama
@@ -21,19 +21,23 @@ def _cache(model, capacity=64) -> KVCache:
                    torch.float32, "cpu")
 
 
-@pytest.fixture(scope="module", params=["none", "int8", "int4", "gguf-blocks"])
+@pytest.fixture(scope="module", params=["none", "int8", "int4", "gguf-blocks", "int4-int8", "gguf-blocks-int8"])
 def model(request):
     model = make_tiny_llama()
-    if request.param == "gguf-blocks":  # fp32 weights that are Q4_1 blocks: the step multiplies the blocks
+    weights = request.param.removesuffix("-int8")
+    if weights == "gguf-blocks":  # fp32 weights that are Q4_1 blocks: the step multiplies the blocks
         as_gguf_blocks(model)
-    elif request.param != "none":
-        quantize_model(model, request.param)
+    elif weights != "none":
+        quantize_model(model, weights)
+    if request.param.endswith("-int8"):  # the products' inputs rounded to int8
+        set_model_activations(model, "int8")
     model.scheme_under_test = request.param
     return model
 
 
 _KINDS = {"none": products.KINDS[torch.float32, "none"], "int8": products.KINDS["int8"],
-          "int4": products.KINDS["int4"], "gguf-blocks": products.KINDS["int4"]}
+          "int4": products.KINDS["int4"], "gguf-blocks": products.KINDS["int4"],
+          "int4-int8": products.KINDS["int4", "int8"], "gguf-blocks-int8": products.KINDS["int4", "int8"]}
 
 
 def test_the_step_serves_the_model_and_gives_the_python_layers_result(model, monkeypatch):
@@ -41,8 +45,9 @@ def test_the_step_serves_the_model_and_gives_the_python_layers_result(model, mon
     assert step.for_model(model, plan) is not None
     kinds = {p.native.kind for layer in plan.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)}
     assert kinds == {_KINDS[model.scheme_under_test]}
-    if model.scheme_under_test == "gguf-blocks":
-        assert plan.lm_head.native.kind == products.KINDS["q8_0"]
+    if model.scheme_under_test.startswith("gguf-blocks"):
+        int8 = model.scheme_under_test.endswith("-int8")
+        assert plan.lm_head.native.kind == products.KINDS[("q8_0", "int8") if int8 else "q8_0"]
     tokens, positions = torch.tensor([5, 17, 3, 60, 2]), torch.arange(5)
     with torch.inference_mode():
         native_cache, python_cache = _cache(model), _cache(model)
