@@ -70,7 +70,7 @@ class Projection:
     quantized: QuantWeight | None = None
     # the weight for the row products (products.py): on CPU, every product without autograd takes it (§8)
     native: products.NativeWeight | None = None
-    # the products' inputs asked for (`set_activations`): what `activations` holds where the weight takes it
+    # the products' inputs asked for (`set_activations`; products.NativeWeight.integer says which weights take int8)
     marked_activations: str = "float"
 
     @classmethod
@@ -93,11 +93,6 @@ class Projection:
     def scheme(self) -> str:
         held = self.native or self.quantized
         return held.scheme if held is not None else "none"
-
-    @property
-    def activations(self) -> str:
-        """int8 where the products round their inputs to int8 (products.ACTIVATIONS), else float."""
-        return self.native.activations if self.native is not None else "float"
 
     @property
     def row_invariant(self) -> bool:

@@ -175,7 +175,7 @@ def pick_activations(activations: str, dtype: str, device: torch.device, quantiz
     """--activations made concrete (products.ACTIVATIONS). `auto` is int8 where --dtype auto runs a model's GGUF
     blocks on the native step in fp32 (`blocks_step_serves`): its products then round their inputs to int8 per group
     of 32 and sum integers, as llama.cpp does with the same blocks (on a 2-core AVX512-BF16 EPYC the one-token verify
-    took 3.8 ms against 5.1, and teacher-forced its argmax was fp32's on 97.7% of tokens, llama.cpp's on 97.2%:
+    took 3.96 ms against 5.65, and teacher-forced its argmax was fp32's on 97.7% of tokens, llama.cpp's on 97.2%:
     docs/measurements.md, issue 51); else float. An explicit --dtype fp32 keeps float inputs: its products are the
     weights' own values exactly. int8 asked for where nothing would take it is an error naming what does."""
     if activations not in ("auto", *products.ACTIVATIONS):

@@ -121,10 +121,6 @@ class NativeWeight:
         return dataclasses.replace(self, kind=_INTEGER[self.kind])
 
     @property
-    def activations(self) -> str:
-        return "int8" if self.kind in _INTEGER.values() else "float"
-
-    @property
     def filled(self) -> bool:
         """Whether zero rows were added to fill the last block of outputs (the step takes no such weight)."""
         return self.data.shape[0] != self.out_features

@@ -110,7 +110,7 @@ def test_int8_activations_sum_integers_and_round_every_row_alike_at_any_row_coun
     g = torch.Generator().manual_seed(6)
     weight = (tiny.gguf_q4_1 if blocks == "q4_1" else tiny.gguf_q8_0)(torch.randn(40, inputs, generator=g) * 0.1)
     held = products.NativeWeight.of(weight, "none", "int8")
-    assert held.kind == products.KINDS["int4" if blocks == "q4_1" else "q8_0", "int8"] and held.activations == "int8"
+    assert held.kind == products.KINDS["int4" if blocks == "q4_1" else "q8_0", "int8"]
     x = torch.randn(17, inputs, generator=g)
     x[2, :32] = 0.0  # a group of zeros: dx = 0
     x[5, 40] = 30.0  # an outlier: the rest of its group rounds to few levels
@@ -133,8 +133,9 @@ def test_int8_activations_sum_integers_and_round_every_row_alike_at_any_row_coun
 def test_only_4_bit_and_q8_0_blocks_take_int8_activations():
     g = torch.Generator().manual_seed(7)
     raw = torch.randn(16, 64, generator=g)
-    assert products.NativeWeight.of(raw, "none", "int8").activations == "float"  # fp32 weights: float inputs
-    assert products.NativeWeight.of(raw, "int8", "int8").activations == "float"  # per-channel int8: float inputs
+    # fp32 weights and per-channel int8 keep float inputs
+    assert products.NativeWeight.of(raw, "none", "int8").kind == products.KINDS[torch.float32, "none"]
+    assert products.NativeWeight.of(raw, "int8", "int8").kind == products.KINDS["int8"]
     assert products.NativeWeight.of(raw, "int4", "int8").kind == products.KINDS["int4", "int8"]
     assert products.q8_0(raw, "int8").kind == products.KINDS["q8_0", "int8"]
     with pytest.raises(ValueError, match="choose one of"):
