@@ -278,8 +278,15 @@ static inline void q_block(const Quantized& xq, int64_t r0, const void* w, const
       const bool one = g + 1 == G;
       __mmask64 negative = 0;
       if ((g & 3) == 0) {
-        if (KIND == 5) prefetch(static_cast<const uint8_t*>(w) + (o + j) * (K / 2) + g * 16, sc + ((o + j) * G + g) * 2, 1024, 512);
-        else prefetch(static_cast<const int8_t*>(w) + (o + j) * K + g * 32, sc + (o + j) * G + g, 2048, 256);
+        // further ahead than the float kinds, whose widening hides more latency; q8_0 asks for both lines of its
+        // two groups (AVX512-BF16 EPYC, one process per side, 6 pairs: 1-8 rows 0.87-0.95x the time at 1 KB ahead)
+        if (KIND == 5) {
+          prefetch(static_cast<const uint8_t*>(w) + (o + j) * (K / 2) + g * 16, sc + ((o + j) * G + g) * 2, 4096, 2048);
+        } else {
+          const int8_t* p = static_cast<const int8_t*>(w) + (o + j) * K + g * 32;
+          prefetch(p, sc + (o + j) * G + g, 4096, 512);
+          _mm_prefetch(reinterpret_cast<const char*>(p) + 4096 + 64, _MM_HINT_T0);
+        }
       }
       const __m512i wv = pair_weights<KIND>(w, o + j, g, K, one, &negative);
       // int4: (d, m) of both groups; q8_0: d of both (the second zero when one)
