@@ -327,10 +327,8 @@ def quantize_model(model, scheme: str) -> None:
     (else it stays in the model's dtype): in the embedded model it is a fifth of the weights and, left in fp32, most
     of a quantized step's bytes (§8). A tied embedding keeps its own values (the quantized copy is the Projection's,
     not the module's weight)."""
-    for layer in model.model.layers:
-        for module in layer.modules():
-            if isinstance(module, torch.nn.Linear):
-                set_quantization(module, scheme)
+    for module in _decoder_linears(model):
+        set_quantization(module, scheme)
     head = model.lm_head.weight
     takes_head = scheme == "none" or unsupported(*head.shape, head.device.type, head.dtype, scheme) is None
     set_quantization(model.lm_head, scheme if takes_head else "none")
@@ -340,12 +338,14 @@ def quantize_model(model, scheme: str) -> None:
 def set_model_activations(model, inputs: str) -> None:
     """Mark every decoder-layer projection and the lm_head to take their inputs as `inputs` (products.ACTIVATIONS:
     int8 rounds them per group of 32 where the row products hold 4-bit or Q8_0 blocks) and rebuild them now."""
-    for layer in model.model.layers:
-        for module in layer.modules():
-            if isinstance(module, torch.nn.Linear):
-                set_activations(module, inputs)
-    set_activations(model.lm_head, inputs)
+    for module in (*_decoder_linears(model), model.lm_head):
+        set_activations(module, inputs)
     prepare(model)
+
+
+def _decoder_linears(model) -> list[torch.nn.Linear]:
+    """Every linear layer of the model's decoder layers, in order."""
+    return [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
 
 
 @dataclass(frozen=True)

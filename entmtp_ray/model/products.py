@@ -26,8 +26,8 @@ weight-only kernels).
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch

@@ -8,7 +8,8 @@ forward computes it (x * cos + rolled x * signed sin: the same roundings), SiLU 
 e^x. Every row's arithmetic is its own (the products and attention round a row alike at any row count, the rest is
 row by row), so a tree row rounds as the one-token step at its position does, bit for bit. It serves fp32 models
 whose every projection takes the row products (fp32, GGUF blocks, --quantize int8/int4; their inputs fp32 or, for
-4-bit and Q8_0 blocks, int8: products.py's integer products), one request at a time; the Python forward serves the rest and stays the reference (`tools/first_parting.py`).
+4-bit and Q8_0 blocks, int8: products.py's integer products), one request at a time; the Python forward serves the
+rest and stays the reference (`tools/first_parting.py`).
 """
 
 from __future__ import annotations

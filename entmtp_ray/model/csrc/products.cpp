@@ -199,43 +199,37 @@ static Quantized quantize_rows(const float* x, int64_t R, int64_t K) {
     for (int64_t g = 0; g < K / 32; ++g) {
       const float* src = x + r * K + g * 32;
       int8_t* dst = out.q.data() + r * K + g * 32;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      {
-        const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        // nearest, ties to even (the default rounding): std::nearbyint's values
-        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        if (KIND == 5) {  // even inputs, then odd
-          const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-          const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qa, even, qb)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qa, odd, qb)));
-        } else {
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
-        }
-        out.ds[(r * (K / 32) + g) * 2] = dx;
-        out.ds[(r * (K / 32) + g) * 2 + 1] = dx * static_cast<float>(sum);
-        for (int i = 0; i < 8; ++i) out.dx[(r * (K / 32) + g) * 8 + i] = dx;
-        continue;
-      }
-#endif
       float amax = 0.f;
-      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(src[k]));
-      const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t sum = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      // nearest, ties to even (the default rounding): std::nearbyint's values, within -127..127 by construction
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      if (KIND == 5) {  // even inputs, then odd
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qa, even, qb)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qa, odd, qb)));
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
+      }
+#else
+      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(src[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
       for (int k = 0; k < 32; ++k) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(src[k] * inv));
-        const int32_t c = std::min(127, std::max(-127, v));
+        const int32_t c = std::min(127, std::max(-127, static_cast<int32_t>(std::nearbyint(src[k] * inv))));
         dst[KIND == 5 ? (k & 1) * 16 + k / 2 : k] = static_cast<int8_t>(c);
         sum += c;
       }
+#endif
+      const float dx = amax / 127.f;
       out.ds[(r * (K / 32) + g) * 2] = dx;
       out.ds[(r * (K / 32) + g) * 2 + 1] = dx * static_cast<float>(sum);
-      for (int i = 0; i < 8; ++i) out.dx[(r * (K / 32) + g) * 8 + i] = dx;
+      std::fill_n(out.dx.data() + (r * (K / 32) + g) * 8, 8, dx);
     }
   return out;
 }
