@@ -16,7 +16,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from entmtp_ray.assets import shipped_bank, shipped_bank_variants
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.policy import SIGNALS, FixedTree, HysteresisPolicy, LadderPolicy, Policy, make_signal
+from entmtp_ray.decode.policy import (SIGNALS, Adaptive, FixedTree, HysteresisPolicy, LadderPolicy, Policy,
+                                      make_signal)
 from entmtp_ray.decode.tree import Topology, make_topology
 from entmtp_ray.model.loading import machine_name
 
@@ -339,10 +340,42 @@ def _hysteresis(cfg: DecodingConfig, bank: Bank) -> HysteresisPolicy:
 BANK_POLICIES = {"entmtp-star": _star, "entmtp-ladder": _ladder, "entmtp-tau": _hysteresis}
 
 
+# smaller trees an adaptive policy may fall back to inside each of its trees, besides the one-node tree: the largest
+# of the bank's trees inside it with at most half its nodes (each is one more tree to build buffers for, or to
+# capture a CUDA graph of)
+FALLBACKS = 3
+
+
 def bank_policy(cfg: DecodingConfig, bank: Bank) -> Policy:
-    """The EntMTP policy named by cfg.policy, with its trees and thresholds from `bank`."""
+    """The EntMTP policy named by cfg.policy, with its trees and thresholds from `bank`; with cfg.adapt, one that
+    falls back to smaller trees of the bank where a request's acceptance says they emit faster (`adaptive`)."""
     if cfg.policy not in BANK_POLICIES:
         raise ValueError(f"policy '{cfg.policy}' reads no bank; the bank policies are {sorted(BANK_POLICIES)}")
     if cfg.tree:
         raise ValueError(f"--tree applies to --policy fixed only (got --policy {cfg.policy})")
-    return BANK_POLICIES[cfg.policy](cfg, bank)
+    policy = BANK_POLICIES[cfg.policy](cfg, bank)
+    return adaptive(policy, bank) if cfg.adapt else policy
+
+
+def step_costs(bank: Bank) -> dict[str, float]:
+    """Seconds a step of each bank tree takes on the bank's hardware (its tau over its tokens/s), where known."""
+    return {t.name: t.tau / t.tokens_per_s for t in bank.trees if t.tau and t.tokens_per_s}
+
+
+def adaptive(policy: Policy, bank: Bank, costs: dict[str, float] | None = None) -> Policy:
+    """`policy` adapting to each request's content (policy.Adaptive) among the bank's trees inside its own: the
+    one-node tree and up to FALLBACKS of the largest with at most half a tree's nodes, at `costs` (seconds a step by
+    tree name; default the bank's own, `step_costs`). The policy itself where the bank has no one-node tree or no
+    costs for its trees."""
+    costs = step_costs(bank) if costs is None else costs
+    known = [bank.topology(t.name) for t in bank.trees if t.name in costs and t.tau]
+    if not any(t.num_nodes == 1 for t in known):
+        return policy
+    candidates = []
+    for tree in policy.trees():
+        inside = [t for t in known if t.path_set <= tree.path_set and 2 * t.num_nodes <= tree.num_nodes]
+        candidates += [t for t in inside if t.num_nodes == 1]
+        candidates += sorted((t for t in inside if t.num_nodes > 1), key=lambda t: -t.num_nodes)[:FALLBACKS]
+    if not candidates:
+        return policy
+    return Adaptive(policy, candidates, costs, {t.name: t.tau for t in bank.trees if t.tau})

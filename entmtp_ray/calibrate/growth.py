@@ -126,6 +126,7 @@ class ReplayStep:
     accepted_length: int
     entropy: list[float]
     top1_prob: list[float]
+    path: tuple[int, ...] = ()
 
 
 @dataclass

@@ -319,8 +319,10 @@ class SpecDecoder:
         stat = request.logits_stat
         entropy = accepted.stats if stat == "entropy" else []
         top1 = accepted.stats if stat == "top1" else []
-        trace = StepTrace(verified.buffers.topology.name, verified.buffers.num_nodes, emitted, entropy, top1, signal,
-                          drafts_kept=min(emitted, len(accepted.tokens) - 1))
+        topology, last = verified.buffers.topology, accepted.node_ids[-1]
+        trace = StepTrace(topology.name, verified.buffers.num_nodes, emitted, entropy, top1, signal,
+                          drafts_kept=min(emitted, len(accepted.tokens) - 1),
+                          path=topology.paths[last - 1] if last else ())
         request.steps.append(trace)
         self.policy.observe(trace)
         if request.own_tracer:

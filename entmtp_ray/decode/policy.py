@@ -22,6 +22,7 @@ class StepView(Protocol):
     accepted_length: int
     entropy: list[float]
     top1_prob: list[float]
+    path: tuple[int, ...]  # the rank path of the deepest node verification accepted (() for the root alone)
 
 
 class Policy(Protocol):
@@ -203,6 +204,75 @@ class HysteresisPolicy:
             self.is_aggressive = False
         elif not self.is_aggressive and s <= self.tau_on:
             self.is_aggressive = True
+
+
+class Adaptive:
+    """A policy's tree, or a smaller one inside it where this request's own acceptance says the smaller emits
+    faster: the tree choice a job adapts to its content with (docs/design.md §2, "Adapting to the content").
+
+    Each tree the inner policy may run has candidates: the given trees whose every path it holds (the one-node
+    tree among them). A step under tree R tells, for every candidate S inside R, how many tokens S would have
+    accepted: the root and the longest prefix of the accepted rank path that S holds. That is exact for greedy and
+    typical acceptance, which accept a node by its own token and its ancestors', and a node's draft is its rank
+    path's in every tree; under exact acceptance it is an estimate. Each tree's accepted length is a running mean
+    (factor `beta`) over the request's steps that ran a tree holding it, from `tau` (the bank's replayed one).
+    choose() runs the inner policy's tree T unless a candidate S inside it would emit more than `margin` more
+    tokens a second at those means and `costs` (seconds a step); then S, and T again every `probe` steps, so that
+    T's own mean keeps up with the content. The costs are fixed for the job: the choice is a function of the
+    request's tokens, and a seeded sample is reproduced."""
+
+    def __init__(self, inner: Policy, candidates: list[Topology], costs: dict[str, float], tau: dict[str, float],
+                 beta: float = 0.9, margin: float = 0.05, probe: int = 16):
+        if not 0.0 <= beta < 1.0 or margin < 0 or probe < 1:
+            raise ValueError(f"adaptive policy: beta in [0, 1), margin >= 0, probe >= 1 (got {beta}, {margin}, "
+                             f"{probe})")
+        self.inner, self.name, self.signal_stat = inner, inner.name, inner.signal_stat
+        self.costs, self.prior = dict(costs), dict(tau)
+        self.beta, self.margin, self.probe = beta, margin, probe
+        known = [t for t in dict.fromkeys([*inner.trees(), *candidates]) if t.name in costs and t.name in tau]
+        self.by_name = {t.name: t for t in [*inner.trees(), *known]}
+        # every tree a step may run -> the known trees inside it, fewest nodes first (itself among them when known)
+        # (none for a tree without a cost: it runs as the inner policy picks it)
+        self.inside = {t.name: sorted((s for s in known if s.path_set <= t.path_set), key=lambda s: s.num_nodes)
+                       if t in known else [] for t in self.by_name.values()}
+        self.reset()
+
+    def trees(self) -> list[Topology]:
+        return list(dict.fromkeys([*self.inner.trees(), *(s for t in self.inner.trees() for s in self.inside[t.name])]))
+
+    @property
+    def signal(self) -> Signal | None:
+        """The inner policy's signal (what a step's trace records), if it has one."""
+        return getattr(self.inner, "signal", None)
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.tau = dict(self.prior)
+        self.held = 0  # steps the inner policy's tree has been passed over since it last ran
+
+    def rate(self, tree: Topology) -> float:
+        """Tokens a second this request would get from `tree` at its accepted length so far."""
+        return self.tau[tree.name] / self.costs[tree.name]
+
+    def choose(self) -> Topology:
+        want = self.inner.choose()
+        inside = self.inside[want.name]
+        if len(inside) < 2:  # a tree without a cost, or with nothing known inside it
+            return want
+        best = max(inside, key=self.rate)  # the first of equals: the fewest nodes
+        if best == want or self.rate(best) <= self.rate(want) * (1.0 + self.margin) or self.held + 1 >= self.probe:
+            self.held = 0
+            return want
+        self.held += 1
+        return best
+
+    def observe(self, step: StepView) -> None:
+        self.inner.observe(step)
+        for tree in self.inside.get(step.tree, ()):
+            held = 0
+            while held < len(step.path) and step.path[:held + 1] in tree.path_set:
+                held += 1
+            self.tau[tree.name] = self.beta * self.tau[tree.name] + (1.0 - self.beta) * (held + 1)
 
 
 def _fixed(cfg: DecodingConfig) -> FixedTree:

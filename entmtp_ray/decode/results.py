@@ -31,6 +31,7 @@ class StepTrace:
     # of accepted_length, the drafted tokens (the rest is the bonus token); None: all but one. A step cut by EOS,
     # a stop or the token limit before its bonus token kept only drafts
     drafts_kept: int | None = None
+    path: tuple[int, ...] = ()  # the rank path of the deepest node verification accepted (policy.StepView)
 
     @property
     def accepted_drafts(self) -> int:

@@ -145,14 +145,38 @@ def test_bank_policies_by_name_and_signal_flag():
     bank = make_bank()
     star = make_policy(DecodingConfig(policy="entmtp-star"), bank)
     assert star.choose().name == "n3"
-    ladder = make_policy(DecodingConfig(policy="entmtp-ladder"), bank)
+    ladder = make_policy(DecodingConfig(policy="entmtp-ladder", adapt=False), bank)
     assert [t.name for t in ladder.trees()] == ["n5", "n3", "n1"] and ladder.thresholds == [0.5, 1.5]
-    tau = make_policy(DecodingConfig(policy="entmtp-tau", signal="top1"), bank)
+    tau = make_policy(DecodingConfig(policy="entmtp-tau", signal="top1", adapt=False), bank)
     assert (tau.conservative.name, tau.aggressive.name, tau.tau_on, tau.signal.value) == ("n1", "n5", 0.1, 0.2)
     with pytest.raises(ValueError, match="no settings for signal 'path'"):
         make_policy(DecodingConfig(policy="entmtp-tau", signal="path"), bank)
     with pytest.raises(ValueError, match="needs a topology bank"):
         make_policy(DecodingConfig(policy="entmtp-tau"), None)
+
+
+def test_bank_policies_adapt_among_the_banks_smaller_trees_unless_told_not_to():
+    from entmtp_ray.config import DecodingConfig
+    from entmtp_ray.decode.policy import Adaptive, FixedTree
+    from entmtp_ray.pipeline.assemble import policy_for as make_policy
+
+    bank = make_bank()
+    star = make_policy(DecodingConfig(policy="entmtp-star"), bank)
+    assert isinstance(star, Adaptive) and star.name == "entmtp-star" and [t.name for t in star.trees()] == ["n3", "n1"]
+    assert star.costs["n1"] == pytest.approx(1 / 30) and star.costs["n3"] == pytest.approx(1.5 / 40)
+    assert star.tau == {"n1": 1.0, "n3": 1.5, "n5": 2.0}
+    # n3 is inside n5 but has more than half its nodes: only the one-node tree is a fallback of a star n5; a ladder
+    # that runs n3 itself may fall from n5 to it
+    star5 = make_policy(DecodingConfig(policy="entmtp-star"),
+                        make_bank(policy=bank.policy.model_copy(update={"star": "n5"})))
+    assert [t.name for t in star5.trees()] == ["n5", "n1"]
+    ladder = make_policy(DecodingConfig(policy="entmtp-ladder"), bank)
+    assert [t.name for t in ladder.inside["n5"]] == ["n1", "n3", "n5"]
+    assert isinstance(make_policy(DecodingConfig(policy="entmtp-star", adapt=False), bank), FixedTree)
+    no_one = make_bank(trees=bank.trees[1:], policy=bank.policy.model_copy(update={"signals": {
+        "entropy": bank.policy.signals["entropy"].model_copy(update={"ladder_trees": ["n5", "n3"],
+                                                                     "ladder_thresholds": [0.5]})}}))
+    assert isinstance(make_policy(DecodingConfig(policy="entmtp-star"), no_one), FixedTree)
 
 
 @pytest.mark.parametrize("policy", ["entmtp-star", "entmtp-ladder", "entmtp-tau"])

@@ -12,7 +12,8 @@ import torch
 
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.loop import SpecDecoder
-from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, LadderPolicy, make_signal
+from entmtp_ray.decode.policy import Adaptive, FixedTree, HysteresisPolicy, LadderPolicy, make_signal
+from entmtp_ray.decode.tree import make_topology
 from helpers.oracle import MAX_NEW, PROMPT, OracleDrafter, assert_cache_holds_the_committed_prefix, rotating, tree_of
 
 
@@ -221,6 +222,24 @@ def test_a_switching_policy_switches_on_the_entropy_it_should_and_keeps_the_ar_t
             aggressive = True
         chosen.append("branchy" if aggressive else "chain1")
     assert [step.tree for step in result.steps] == chosen
+
+
+def test_an_adaptive_policy_falls_back_to_one_node_and_its_probe_brings_it_back_with_the_ar_tokens(loaded, reference):
+    """Drafts nowhere for the first 10 steps, then always at rank 0: the chain's accepted length falls from the
+    prior 3 until the one-node tree emits 5% faster at these costs (under 1.9: 8 steps), and a probe finds the
+    content turned."""
+    one, chain = make_topology([], "n1"), tree_of("chain4")
+    policy = Adaptive(FixedTree("entmtp-star", chain), [one], {"n1": 1.0, "chain4": 2.0}, {"n1": 1.0, "chain4": 3.0},
+                      probe=8)
+    decoder, result = decode(loaded, reference, policy, lambda call, depth: None if call < 10 else 0)
+    assert result.output_token_ids == reference and result.finish_reason == "length"
+    trees = [step.tree for step in result.steps]
+    fell = trees.index("n1")
+    assert trees[:fell] == ["chain4"] * fell == ["chain4"] * 8
+    back = trees.index("chain4", fell)
+    assert back - fell == 7 and set(trees[back:]) == {"chain4"}  # the probe after 7 one-node steps, then kept
+    assert [step.path for step in result.steps][back:back + 2] == [(0, 0, 0, 0)] * 2
+    assert_cache_holds_the_committed_prefix(loaded, decoder, result)
 
 
 def test_a_switching_policy_on_the_accepted_signal_reads_no_verifier_statistic_and_keeps_the_ar_tokens(

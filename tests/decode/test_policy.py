@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from entmtp_ray.decode.policy import HysteresisPolicy, LadderPolicy, make_signal
+from entmtp_ray.decode.policy import Adaptive, FixedTree, HysteresisPolicy, LadderPolicy, make_signal
+from entmtp_ray.decode.tree import make_topology
 
 
 @dataclass
@@ -16,6 +17,7 @@ class Step:
     accepted_length: int = 1
     entropy: tuple = (0.0,)
     top1_prob: tuple = (1.0,)
+    path: tuple = ()
 
 
 def test_entropy_signal_is_an_ema_over_accepted_tokens():
@@ -112,3 +114,81 @@ def test_settings_at_their_bounds():
         with pytest.raises(ValueError, match="K trees and K-1 ascending thresholds"):
             LadderPolicy("x", trees, thresholds, make_signal("entropy"))
     assert LadderPolicy("x", ["a", "b", "c"], [1.0, 1.0], make_signal("entropy")).thresholds == [1.0, 1.0]
+
+
+# three nested trees: the root alone, a chain of two drafts, and that chain with a second child at the root
+ONE = make_topology([], "n1")
+CHAIN = make_topology([(0,), (0, 0)], "n3")
+WIDE = make_topology([(0,), (1,), (0, 0)], "n4")
+COSTS = {"n1": 1.0, "n3": 1.5, "n4": 1.6}  # seconds a step: n3 pays over n1 from 1.5 tokens a step
+
+
+def adaptive(inner_tree=WIDE, tau=None, **kw) -> Adaptive:
+    return Adaptive(FixedTree("entmtp-star", inner_tree), [ONE, CHAIN], COSTS,
+                    tau or {"n1": 1.0, "n3": 2.0, "n4": 2.4}, **kw)
+
+
+def test_adaptive_runs_the_policys_tree_while_the_acceptance_it_was_chosen_for_holds():
+    policy = adaptive()
+    assert policy.trees() == [WIDE, ONE, CHAIN] and policy.name == "entmtp-star" and policy.signal_stat is None
+    for i in range(50):  # the chain and the second root child in turn: n4 2.5 tokens a step, n3 2, n1 1
+        assert policy.choose() == WIDE
+        policy.observe(Step(tree="n4", accepted_length=3, path=(0, 0)) if i % 2 else
+                       Step(tree="n4", accepted_length=2, path=(1,)))
+    assert policy.tau["n4"] == pytest.approx(2.5, abs=0.06) and policy.tau["n3"] == pytest.approx(2.0, abs=0.11)
+
+
+def test_adaptive_moves_to_the_smaller_tree_the_content_uses():
+    policy = adaptive()
+    chosen = []
+    for _ in range(30):  # only the chain is ever accepted: n3 carries the same tokens for less
+        tree = policy.choose()
+        chosen.append(tree.name)
+        policy.observe(Step(tree=tree.name, accepted_length=3, path=(0, 0)))
+    assert chosen[0] == "n4" and set(chosen[-8:]) == {"n3"} and "n1" not in chosen
+
+
+def test_adaptive_falls_back_and_its_probes_bring_it_back_when_the_content_turns():
+    policy = adaptive(probe=4)
+    chosen = []
+    for i in range(80):
+        tree = policy.choose()
+        chosen.append(tree.name)
+        rich = i >= 40  # first a stretch where drafts are rarely accepted, then one where the second child always is
+        if tree == WIDE and (rich or i % 3 == 0):
+            policy.observe(Step(tree="n4", accepted_length=2, path=(1,)))
+        else:
+            policy.observe(Step(tree=tree.name, accepted_length=1, path=()))
+    # poor stretch: n4 (1.33 tokens / 1.6 s) below n1 (1 / 1 s) once its mean has come down from the bank's 2.4,
+    # then n4 every 4th step only; n3 never holds the accepted child
+    assert "n3" not in chosen and chosen.index("n1") <= 20 and chosen[20:40].count("n1") >= 14
+    assert chosen[-10:].count("n4") == 10  # rich stretch: n4 (2 / 1.6 s) again, found by its probes
+    policy.reset()
+    assert policy.tau == {"n1": 1.0, "n3": 2.0, "n4": 2.4} and policy.choose() == WIDE
+
+
+def test_adaptive_falls_back_to_ar_within_a_few_steps_where_no_draft_is_accepted_and_still_probes():
+    policy = adaptive(probe=16)
+    chosen = []
+    for _ in range(64):
+        tree = policy.choose()
+        chosen.append(tree.name)
+        policy.observe(Step(tree=tree.name, accepted_length=1, path=()))
+    first_ar = chosen.index("n1")
+    assert first_ar <= 10
+    tail = chosen[first_ar:]
+    assert tail.count("n4") == pytest.approx(len(tail) / 16, abs=1) and "n3" not in tail
+
+
+def test_adaptive_counts_only_the_path_a_smaller_tree_holds_and_leaves_unknown_trees_alone():
+    policy = adaptive(beta=0.0)
+    policy.observe(Step(tree="n4", accepted_length=3, path=(0, 0)))
+    assert (policy.tau["n1"], policy.tau["n3"], policy.tau["n4"]) == (1.0, 3.0, 3.0)
+    policy.observe(Step(tree="n4", accepted_length=2, path=(1,)))
+    assert (policy.tau["n3"], policy.tau["n4"]) == (1.0, 2.0)
+    policy.observe(Step(tree="ar", accepted_length=1, path=()))  # a tree it was not given: nothing learnt
+    assert policy.tau["n4"] == 2.0
+    unknown = Adaptive(FixedTree("fixed", make_topology([(0,)], "n2")), [ONE], COSTS, {"n1": 1.0})
+    assert unknown.choose().name == "n2" and unknown.trees() == [make_topology([(0,)], "n2")]
+    with pytest.raises(ValueError, match="beta"):
+        adaptive(beta=1.0)
