@@ -194,13 +194,20 @@ class Bench:
     """The systems, built once, and the interleaved run over prompts and temperatures."""
 
     def __init__(self, stack: Stack, systems: list[str], task: str | None, bank, model_label: str,
-                 bank_label: str | None, threads: int, seed: int, other_banks: dict | None = None):
-        """`other_banks`: name -> (bank, label), each run as one more system `entmtp-tau@name` beside the rest."""
+                 bank_label: str | None, threads: int, seed: int, other_banks: dict | None = None,
+                 unadapted: bool = False):
+        """`other_banks`: name -> (bank, label), each run as one more system `entmtp-tau@name` beside the rest;
+        `unadapted`: each entmtp policy also without adapting to the content (--no-adapt), as `NAME@unadapted`."""
         loaded = stack.loaded
         self.labels = {"model": model_label, "heads": stack.heads_label, "bank": bank_label}
         self.decoders = {name: stack.decoder(policy_for(DecodingConfig(policy=name, task=task), bank))
                          for name in systems if name in POLICIES}
         self.bank_labels = {name: bank_label for name in systems if name in BANK_POLICIES}
+        for name in [s for s in systems if s in BANK_POLICIES] if unadapted else []:
+            fixed = f"{name}@unadapted"
+            self.decoders[fixed] = stack.decoder(policy_for(DecodingConfig(policy=name, task=task, adapt=False), bank))
+            self.bank_labels[fixed] = bank_label
+            systems = [*systems, fixed]
         for other, (other_bank, label) in (other_banks or {}).items():
             name = f"entmtp-tau@{other}"
             self.decoders[name] = stack.decoder(policy_for(DecodingConfig(policy="entmtp-tau", task=task), other_bank))

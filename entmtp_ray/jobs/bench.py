@@ -63,6 +63,9 @@ def parse(argv):
     p.add_argument("--also-bank", nargs="+", default=[], metavar="NAME=FILE",
                    help="more banks, each run as system entmtp-tau@NAME in the same interleaved run (e.g. an auto bank "
                    "beside the shipped one)")
+    p.add_argument("--unadapted", action="store_true",
+                   help="also run each entmtp policy without adapting to each request's content (--no-adapt), as "
+                   "system NAME@unadapted in the same interleaved run")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the bank's)")
     p.add_argument("--concurrent-requests", type=int, nargs="+", default=None, metavar="K",
                    help="throughput mode: aggregate tokens/s of all prompts at each K requests in flight")
@@ -158,7 +161,7 @@ def main(argv=None) -> int:
         warn_if_other_hardware(bank, current_hardware(loaded.device, loaded.dtype, quantize=loaded.quantize,
                                                       activations=loaded.activations), bank_path)
     bench = Bench(stack, systems, args.task, bank, model_cfg.model, str(bank_path) if bank_path else None, threads,
-                  args.seed, other_banks)
+                  args.seed, other_banks, args.unadapted)
     prompts = []
     for row in table.select(["id", "prompt", "_messages", "_input_error"]).to_pylist():
         ids, error = None, row["_input_error"]

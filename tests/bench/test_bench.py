@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from entmtp_ray.assets import shipped_bank
+from entmtp_ray.calibrate.bank import load_bank
 from entmtp_ray.jobs import bench as bench_job
 import bench_engine  # tools/bench_engine.py (pytest puts tools/ on the path)
 
@@ -87,16 +88,20 @@ def shipped_here(task: str) -> str:
     return str(default_bank_path("smollm2-135m-instruct", task, actors_here(ModelConfig())))
 
 
-def test_another_bank_runs_as_one_more_system_in_the_same_run(tmp_path, capsys):
-    """--also-bank: two banks side by side in one interleaved run (an auto bank against the shipped one)."""
+def test_another_bank_and_the_unadapted_policy_run_as_more_systems_in_the_same_run(tmp_path, capsys):
+    """--also-bank: two banks side by side in one interleaved run (an auto bank against the shipped one); and
+    --unadapted: the policy without adapting to the content beside it."""
     general = shipped_bank("smollm2-135m-instruct", "general")
     rc = bench_job.main(["--task", "gsm8k", "--dataset", str(ROOT / "tests" / "fixtures" / "gsm8k_train_200.jsonl"),
                          "--limit", "1", "--max-new-tokens", "8", "--temperatures", "0", "--threads", THREADS,
-                         "--systems", "ar", "entmtp-tau", "--also-bank", f"general={general}",
+                         "--systems", "ar", "entmtp-tau", "--also-bank", f"general={general}", "--unadapted",
                          "--output", str(tmp_path / "out")])
     assert rc == 0, capsys.readouterr().err[-3000:]
     rows = {r["policy"]: r for r in pq.read_table(tmp_path / "out" / "rows").to_pylist()}
-    assert set(rows) == {"ar", "entmtp-tau", "entmtp-tau@general"}
+    assert set(rows) == {"ar", "entmtp-tau", "entmtp-tau@general", "entmtp-tau@unadapted"}
+    assert rows["entmtp-tau@unadapted"]["matches_ar"] in ("equal", "tie")
+    star = load_bank(shipped_here("gsm8k")).policy.star
+    assert [name for name, _ in rows["entmtp-tau@unadapted"]["tree_usage"]] == [star]
     assert rows["entmtp-tau@general"]["bank"] == str(general)
     assert rows["entmtp-tau"]["bank"] == shipped_here("gsm8k")
     assert rows["entmtp-tau@general"]["matches_ar"] in ("equal", "tie")
