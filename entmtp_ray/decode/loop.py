@@ -234,6 +234,10 @@ class SpecDecoder:
             request.finish = "context"
             request.schedule_s += clock.seconds["choose"]
             return None
+        if request.behind and buffers.topology.depth > 0:  # the drafter catches up on the one-node steps' tokens
+            hidden, positions = zip(*request.behind)
+            self.drafter.advance(torch.cat(hidden), torch.cat(positions))
+            request.behind.clear()
         return PendingStep(buffers, None, signal, clock)
 
     @in_inference_mode
@@ -296,7 +300,10 @@ class SpecDecoder:
         nodes, a = accepted.nodes, len(accepted.node_ids)
         self.cache.keep(nodes, contiguous=accepted.node_ids == list(range(a)))
         positions = verified.committed + torch.arange(a, device=nodes.device)
-        self.drafter.advance(verified.hidden[nodes], positions)
+        if verified.buffers.num_nodes > 1 or isinstance(self.drafter, NoDrafter):
+            self.drafter.advance(verified.hidden[nodes], positions)
+        else:  # a one-node step of a policy that drafts: its token reaches the drafter with the next drafting step
+            request.behind.append((verified.hidden[nodes], positions))
         request.root = accepted.root
         return self.emit(request, accepted.tokens[1:] + [accepted.root])
 

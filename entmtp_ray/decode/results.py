@@ -112,6 +112,9 @@ class Request:
     stopped_on_string: bool = False  # a stop string ended it: the text is cut before it
     steps: list[StepTrace] = field(default_factory=list)
     schedule_s: float = 0.0
+    # committed hidden states [n, H] and positions [n] that the drafter has not seen: one-node steps leave them for
+    # the next step that drafts (SpecDecoder.commit), so a policy that falls back to AR pays what AR does
+    behind: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def logits_stat(self) -> str | None:

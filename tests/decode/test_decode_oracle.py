@@ -242,6 +242,65 @@ def test_an_adaptive_policy_falls_back_to_one_node_and_its_probe_brings_it_back_
     assert_cache_holds_the_committed_prefix(loaded, decoder, result)
 
 
+def test_one_node_steps_of_a_drafting_policy_reach_the_drafter_with_its_next_drafting_step(loaded, reference):
+    """A one-node step of a policy that drafts leaves its token's hidden state for the next step that drafts, so a
+    fallback to AR pays no prefix layer: at every drafting step the heads' cache holds every committed token, and the
+    context they draft from is the one a drafter advanced token by token has (the prefix layer's rows are its own)."""
+    from entmtp_ray.decode.drafting import HydraDrafter
+    from entmtp_ray.model.heads import init_heads
+    from entmtp_ray.model.llama import forward_hidden
+    from entmtp_ray.model.kv_cache import KVCache
+
+    one, chain = make_topology([], "n1"), tree_of("chain2")
+
+    class Alternating(FixedTree):  # three one-node steps, then one that drafts
+        def __init__(self):
+            super().__init__("alternating", chain)
+            self.calls = 0
+
+        def trees(self):
+            return [one, chain]
+
+        def choose(self):
+            self.calls += 1
+            return chain if self.calls % 4 == 0 else one
+
+    seen = []
+
+    advances = []
+
+    class Watching(HydraDrafter):
+        def advance(self, base_hidden, positions):
+            advances.append(base_hidden.shape[0])
+            super().advance(base_hidden, positions)
+
+        def draft(self, buffers, root):
+            if buffers.num_nodes > 1:
+                seen.append((self.cache.length, decoder.cache.length, self.context.clone()))
+            return super().draft(buffers, root)
+
+    heads = init_heads(loaded.model, num_heads=4, seed=3).eval()
+    decoder = SpecDecoder(loaded, Watching(heads, loaded.model), Alternating())
+    result = decoder.generate(PROMPT, DecodingConfig(policy="fixed", max_new_tokens=MAX_NEW))
+    assert result.output_token_ids == reference and len(seen) >= 8
+    assert all(drafted == committed for drafted, committed, _ in seen)
+    # two prefix-layer calls a cycle of four steps (the catch-up on three tokens, the drafting step's own), not four
+    assert len(advances) <= 2 * len(seen) + 2 and 3 in advances[1:]
+    with torch.inference_mode():  # the context after each drafting step's committed prefix, advanced row by row
+        tokens = torch.tensor(PROMPT + reference)
+        cfg = loaded.model.config
+        cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(tokens), torch.float32, "cpu")
+        hidden = forward_hidden(loaded.model, cache, tokens, torch.arange(len(tokens)))
+        twin = HydraDrafter(heads, loaded.model)
+        twin.begin(hidden[:len(PROMPT)], torch.arange(len(PROMPT)), len(tokens))
+        contexts = {len(PROMPT): twin.context.clone()}
+        for i in range(len(PROMPT), len(tokens)):
+            twin.advance(hidden[i:i + 1], torch.tensor([i]))
+            contexts[i + 1] = twin.context.clone()
+    for _, committed, context in seen:
+        assert torch.allclose(context, contexts[committed], atol=1e-5)
+
+
 def test_a_switching_policy_on_the_accepted_signal_reads_no_verifier_statistic_and_keeps_the_ar_tokens(
         loaded, reference):
     """The accepted signal needs no statistic of the verifier: the decoder computes none (the steps carry no
