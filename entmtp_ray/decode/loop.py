@@ -87,6 +87,7 @@ class SpecDecoder:
         self.cache: KVCache | None = None  # the static cache, or the dynamic one the last request grew
         self.static = static
         self.verifier: Verifier = DynamicVerifier(loaded.model)
+        self.costs: str | None = None  # where an adaptive policy's step costs came from (decode/costs.py), when measured
         self.graphs = graphs
         if static:
             self._static(min(loaded.max_positions, capacity or STATIC_CAPACITY))

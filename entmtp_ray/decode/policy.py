@@ -218,8 +218,8 @@ class Adaptive:
     (factor `beta`) over the request's steps that ran a tree holding it, from `tau` (the bank's replayed one).
     choose() runs the inner policy's tree T unless a candidate S inside it would emit more than `margin` more
     tokens a second at those means and `costs` (seconds a step); then S, and T again every `probe` steps, so that
-    T's own mean keeps up with the content. The costs are fixed for the job: the choice is a function of the
-    request's tokens, and a seeded sample is reproduced."""
+    T's own mean keeps up with the content. The costs stay as the decoder's load set them (measured there,
+    decode/costs.py), so within a job the choice is a function of the request's tokens alone."""
 
     def __init__(self, inner: Policy, candidates: list[Topology], costs: dict[str, float], tau: dict[str, float],
                  beta: float = 0.9, margin: float = 0.05, probe: int = 16):
@@ -269,10 +269,10 @@ class Adaptive:
     def observe(self, step: StepView) -> None:
         self.inner.observe(step)
         for tree in self.inside.get(step.tree, ()):
-            held = 0
-            while held < len(step.path) and step.path[:held + 1] in tree.path_set:
-                held += 1
-            self.tau[tree.name] = self.beta * self.tau[tree.name] + (1.0 - self.beta) * (held + 1)
+            depth = 0  # of the accepted path, how deep `tree` holds it
+            while depth < len(step.path) and step.path[:depth + 1] in tree.path_set:
+                depth += 1
+            self.tau[tree.name] = self.beta * self.tau[tree.name] + (1.0 - self.beta) * (depth + 1)
 
 
 def _fixed(cfg: DecodingConfig) -> FixedTree:

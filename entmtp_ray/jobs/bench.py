@@ -191,6 +191,9 @@ def main(argv=None) -> int:
         ar_step = sum(r["decode_s"] for r in ar_greedy) / ar_steps
         setup["AR step (ms)"] = round(1e3 * ar_step, 2)
         setup["AR step / weight read"] = round(ar_step / floor_s, 2)
+    for name, decoder in bench.decoders.items():  # where each adaptive policy's step costs came from
+        if decoder.costs:
+            setup[name] = decoder.costs
     report = write_report([output / "rows"], output, setup)
     print(throughput_tables(report), flush=True)
     if bank is not None:

@@ -17,9 +17,10 @@ from entmtp_ray.assets import shipped_bank
 from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, bank_policy, current_hardware, default_bank_path,
                                        load_bank, resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
+from entmtp_ray.decode.costs import measure_costs
 from entmtp_ray.decode.drafting import HydraDrafter
 from entmtp_ray.decode.loop import SpecDecoder
-from entmtp_ray.decode.policy import POLICIES, Policy, make_policy
+from entmtp_ray.decode.policy import POLICIES, Adaptive, Policy, make_policy
 from entmtp_ray.decode.static import static_capacity
 from entmtp_ray.decode.tree import make_topology
 from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, check_quantization,
@@ -197,12 +198,17 @@ class Stack:
     def decoder(self, policy: Policy, decoding: DecodingConfig | None = None) -> SpecDecoder:
         """A decoder for `policy` on this model; a policy that never drafts gets no drafter (no heads' work). With
         `decoding`, a static KV cache (CUDA) holds what its longest prompt allowed and its new tokens need
-        (static.static_capacity), not the model's whole context."""
+        (static.static_capacity), not the model's whole context. A policy that adapts to content gets its trees' step
+        costs measured through the new decoder (decode/costs.py; the decoder's `costs` says so)."""
         drafts = any(t.depth > 0 for t in policy.trees())
         capacity = None if decoding is None else static_capacity(
             decoding.max_input_tokens, decoding.max_new_tokens, max(t.num_nodes for t in policy.trees()),
             self.loaded.max_positions)
-        return SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
+        decoder = SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
+        if isinstance(policy, Adaptive):  # it weighs its trees at what their steps cost here, not on the bank's machine
+            decoder.costs = measure_costs(decoder)
+            log.info("%s: %s", policy.name, decoder.costs)
+        return decoder
 
 
 def load_stack(model_cfg: ModelConfig, with_heads: bool, transformers_forward: bool = True) -> Stack:

@@ -242,6 +242,23 @@ def test_an_adaptive_policy_falls_back_to_one_node_and_its_probe_brings_it_back_
     assert_cache_holds_the_committed_prefix(loaded, decoder, result)
 
 
+def test_an_adaptive_policys_step_costs_are_measured_where_it_runs(loaded, reference):
+    """measure_costs puts each of the policy's trees' seconds per step, timed through the decoder, in place of the
+    bank's costs; a policy that does not adapt is left alone; the decoder then decodes as before."""
+    from entmtp_ray.decode.costs import measure_costs
+    from entmtp_ray.decode.tree import load_topology
+
+    one, chain = make_topology([], "n1"), tree_of("chain4")
+    policy = Adaptive(FixedTree("entmtp-star", chain), [one], {"n1": 1.0, "chain4": 2.0}, {"n1": 1.0, "chain4": 3.0})
+    decoder = SpecDecoder(loaded, OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size), policy)
+    line = measure_costs(decoder)
+    assert set(policy.costs) == {"n1", "chain4"} and all(0 < c < 0.5 for c in policy.costs.values())
+    assert line.startswith("step costs measured here: ") and "chain4" in line and "n1" in line
+    assert measure_costs(SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))) is None
+    result = decoder.generate(PROMPT, DecodingConfig(policy="fixed", max_new_tokens=MAX_NEW))
+    assert result.output_token_ids == reference
+
+
 def test_one_node_steps_of_a_drafting_policy_reach_the_drafter_with_its_next_drafting_step(loaded, reference):
     """A one-node step of a policy that drafts leaves its token's hidden state for the next step that drafts, so a
     fallback to AR pays no prefix layer: at every drafting step the heads' cache holds every committed token, and the

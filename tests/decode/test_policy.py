@@ -138,27 +138,30 @@ def test_adaptive_runs_the_policys_tree_while_the_acceptance_it_was_chosen_for_h
     assert policy.tau["n4"] == pytest.approx(2.5, abs=0.06) and policy.tau["n3"] == pytest.approx(2.0, abs=0.11)
 
 
-def test_adaptive_moves_to_the_smaller_tree_the_content_uses():
-    policy = adaptive()
+def run(policy: Adaptive, steps: int, step) -> list[str]:
+    """The trees `policy` chooses over `steps` steps, each observing step(i, tree)."""
     chosen = []
-    for _ in range(30):  # only the chain is ever accepted: n3 carries the same tokens for less
+    for i in range(steps):
         tree = policy.choose()
         chosen.append(tree.name)
-        policy.observe(Step(tree=tree.name, accepted_length=3, path=(0, 0)))
+        policy.observe(step(i, tree))
+    return chosen
+
+
+def test_adaptive_moves_to_the_smaller_tree_the_content_uses():
+    # only the chain is ever accepted: n3 carries the same tokens for less
+    chosen = run(adaptive(), 30, lambda i, tree: Step(tree=tree.name, accepted_length=3, path=(0, 0)))
     assert chosen[0] == "n4" and set(chosen[-8:]) == {"n3"} and "n1" not in chosen
 
 
 def test_adaptive_falls_back_and_its_probes_bring_it_back_when_the_content_turns():
+    def step(i, tree):  # first a stretch where drafts are rarely accepted, then one where the second child always is
+        if tree == WIDE and (i >= 40 or i % 3 == 0):
+            return Step(tree="n4", accepted_length=2, path=(1,))
+        return Step(tree=tree.name, accepted_length=1, path=())
+
     policy = adaptive(probe=4)
-    chosen = []
-    for i in range(80):
-        tree = policy.choose()
-        chosen.append(tree.name)
-        rich = i >= 40  # first a stretch where drafts are rarely accepted, then one where the second child always is
-        if tree == WIDE and (rich or i % 3 == 0):
-            policy.observe(Step(tree="n4", accepted_length=2, path=(1,)))
-        else:
-            policy.observe(Step(tree=tree.name, accepted_length=1, path=()))
+    chosen = run(policy, 80, step)
     # poor stretch: n4 (1.33 tokens / 1.6 s) below n1 (1 / 1 s) once its mean has come down from the bank's 2.4,
     # then n4 every 4th step only; n3 never holds the accepted child
     assert "n3" not in chosen and chosen.index("n1") <= 20 and chosen[20:40].count("n1") >= 14
@@ -168,12 +171,7 @@ def test_adaptive_falls_back_and_its_probes_bring_it_back_when_the_content_turns
 
 
 def test_adaptive_falls_back_to_ar_within_a_few_steps_where_no_draft_is_accepted_and_still_probes():
-    policy = adaptive(probe=16)
-    chosen = []
-    for _ in range(64):
-        tree = policy.choose()
-        chosen.append(tree.name)
-        policy.observe(Step(tree=tree.name, accepted_length=1, path=()))
+    chosen = run(adaptive(probe=16), 64, lambda i, tree: Step(tree=tree.name, accepted_length=1, path=()))
     first_ar = chosen.index("n1")
     assert first_ar <= 10
     tail = chosen[first_ar:]
