@@ -362,12 +362,12 @@ def step_costs(bank: Bank) -> dict[str, float]:
     return {t.name: t.tau / t.tokens_per_s for t in bank.trees if t.tau and t.tokens_per_s}
 
 
-def adaptive(policy: Policy, bank: Bank, costs: dict[str, float] | None = None) -> Policy:
+def adaptive(policy: Policy, bank: Bank) -> Policy:
     """`policy` adapting to each request's content (policy.Adaptive) among the bank's trees inside its own: the
-    one-node tree and up to FALLBACKS of the largest with at most half a tree's nodes, at `costs` (seconds a step by
-    tree name; default the bank's own, `step_costs`). The policy itself where the bank has no one-node tree or no
-    costs for its trees."""
-    costs = step_costs(bank) if costs is None else costs
+    one-node tree and up to FALLBACKS of the largest with at most half a tree's nodes, at the bank's step costs until
+    a decoder measures its own (decode/costs.py). The policy itself where the bank has no one-node tree or no costs
+    for its trees."""
+    costs = step_costs(bank)
     known = [bank.topology(t.name) for t in bank.trees if t.name in costs and t.tau]
     if not any(t.num_nodes == 1 for t in known):
         return policy
