@@ -204,10 +204,10 @@ class Bench:
                          for name in systems if name in POLICIES}
         self.bank_labels = {name: bank_label for name in systems if name in BANK_POLICIES}
         for name in [s for s in systems if s in BANK_POLICIES] if unadapted else []:
-            fixed = f"{name}@unadapted"
-            self.decoders[fixed] = stack.decoder(policy_for(DecodingConfig(policy=name, task=task, adapt=False), bank))
-            self.bank_labels[fixed] = bank_label
-            systems = [*systems, fixed]
+            plain = f"{name}@unadapted"
+            self.decoders[plain] = stack.decoder(policy_for(DecodingConfig(policy=name, task=task, adapt=False), bank))
+            self.bank_labels[plain] = bank_label
+            systems = [*systems, plain]
         for other, (other_bank, label) in (other_banks or {}).items():
             name = f"entmtp-tau@{other}"
             self.decoders[name] = stack.decoder(policy_for(DecodingConfig(policy="entmtp-tau", task=task), other_bank))

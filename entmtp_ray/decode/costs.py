@@ -12,6 +12,7 @@ from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import Adaptive, FixedTree
 from entmtp_ray.decode.static import positions_needed
 from entmtp_ray.decode.tree import Topology
+from entmtp_ray.model.loading import synchronize
 
 PROMPT_TOKENS = 64  # a step's cost depends on the context's length, not its content: an ordinary prompt's length
 
@@ -32,11 +33,11 @@ def step_seconds(decoder: SpecDecoder, trees: list[Topology], steps: int = 12, r
         for name in names[r % len(names):] + names[: r % len(names)]:
             twin = twins[name]
             request = twin.prefill(prompt, DecodingConfig(policy="fixed", max_new_tokens=steps * fits[name].num_nodes))
-            twin._sync()
+            synchronize(loaded.device)
             start = time.perf_counter()
             for _ in range(steps):
                 twin.step(request)
-            twin._sync()
+            synchronize(loaded.device)
             if r:
                 times[name].append((time.perf_counter() - start) / steps)
     return {name: statistics.median(seconds) for name, seconds in times.items()}

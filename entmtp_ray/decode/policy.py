@@ -230,11 +230,10 @@ class Adaptive:
         self.costs, self.prior = dict(costs), dict(tau)
         self.beta, self.margin, self.probe = beta, margin, probe
         known = [t for t in dict.fromkeys([*inner.trees(), *candidates]) if t.name in costs and t.name in tau]
-        self.by_name = {t.name: t for t in [*inner.trees(), *known]}
-        # every tree a step may run -> the known trees inside it, fewest nodes first (itself among them when known)
-        # (none for a tree without a cost: it runs as the inner policy picks it)
+        # every tree a step may run -> the known trees inside it, fewest nodes first (itself among them when known;
+        # none for a tree without a cost: it runs as the inner policy picks it)
         self.inside = {t.name: sorted((s for s in known if s.path_set <= t.path_set), key=lambda s: s.num_nodes)
-                       if t in known else [] for t in self.by_name.values()}
+                       if t in known else [] for t in dict.fromkeys([*inner.trees(), *known])}
         self.reset()
 
     def trees(self) -> list[Topology]:
