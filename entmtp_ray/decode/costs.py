@@ -43,13 +43,20 @@ def step_seconds(decoder: SpecDecoder, trees: list[Topology], steps: int = 12, r
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
-def measure_costs(decoder: SpecDecoder) -> str | None:
+def measure_costs(decoder: SpecDecoder, measured: dict[Topology, float] | None = None) -> str | None:
     """Where the decoder's policy adapts to content: its trees' step costs measured here (`step_seconds`) put in
-    place of its bank's, and a line saying so; None for any other policy."""
+    place of its bank's, and a line saying so; None for any other policy. `measured`: costs already measured on this
+    model (by tree), which are reused and to which the new ones are added, so that a process times each tree once."""
     policy = decoder.policy
     if not isinstance(policy, Adaptive):
         return None
-    measured = step_seconds(decoder, [t for t in policy.trees() if t.name in policy.costs])
-    policy.costs.update(measured)
+    measured = {} if measured is None else measured
+    trees = [t for t in policy.trees() if t.name in policy.costs]
+    missing = [t for t in trees if t not in measured]
+    if missing:
+        fresh = step_seconds(decoder, missing)
+        measured.update((t, fresh[t.name]) for t in missing if t.name in fresh)
+    costs = {t.name: measured[t] for t in trees if t in measured}
+    policy.costs.update(costs)
     return "step costs measured here: " + ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in sorted(
-        measured.items(), key=lambda item: item[1]))
+        costs.items(), key=lambda item: item[1]))

@@ -8,7 +8,7 @@ before any weight loads.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from entmtp_ray.decode.drafting import HydraDrafter
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import POLICIES, Adaptive, Policy, make_policy
 from entmtp_ray.decode.static import static_capacity
-from entmtp_ray.decode.tree import make_topology
+from entmtp_ray.decode.tree import Topology, make_topology
 from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, check_quantization,
                                       draft_vocab_for, heads_source, load_model, load_model_heads, pick_activations,
                                       pick_dtype)
@@ -190,6 +190,8 @@ class Stack:
     drafter: HydraDrafter | None
     heads_label: str | None  # the heads directory, owner/name@commit of a hub id, or 'untrained', for output rows
     draft_vocab_size: int  # 0 = drafts over the full vocabulary
+    # seconds per step of each tree measured through this model's decoders (decode/costs.py): each tree timed once
+    step_costs: dict[Topology, float] = field(default_factory=dict, repr=False)
 
     @property
     def max_depth(self) -> int:
@@ -206,7 +208,7 @@ class Stack:
             self.loaded.max_positions)
         decoder = SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
         if isinstance(policy, Adaptive):  # it weighs its trees at what their steps cost here, not on the bank's machine
-            decoder.costs = measure_costs(decoder)
+            decoder.costs = measure_costs(decoder, self.step_costs)
             log.info("%s: %s", policy.name, decoder.costs)
         return decoder
 

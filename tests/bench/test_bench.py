@@ -196,7 +196,9 @@ def test_throughput_mode_tables_every_system_at_every_k_in_one_run(tmp_path, cap
         assert line["tokens_per_s"] == pytest.approx(passes[0]["tokens"] / passes[0]["wall_s"])
         assert line["greedy"]["differs"] == 0 and sum(line["greedy"].values()) == 3
     assert lines["ar", 1]["x_own_k1"] == pytest.approx(1.0) and lines["ar", 1]["greedy"]["equal"] == 3
-    assert lines["ar", 2]["tau"] == pytest.approx(1.0) and lines["entmtp-tau", 1]["tau"] > 1.0
+    # entmtp-tau adapts: where its bank's tau does not pay for its tree at the step costs measured here, it may run the
+    # one-node tree for all of these 8 tokens (probing its own every 16th step), so its tau is at least AR's
+    assert lines["ar", 2]["tau"] == pytest.approx(1.0) and lines["entmtp-tau", 1]["tau"] >= 1.0
     assert report["banks"]["entmtp-tau K=2"] == str(general)
     assert "| entmtp-tau | 2 |" in (out / "throughput.md").read_text()
     rc = bench_job.main(["--task", "gsm8k", "--concurrent-requests", "1", "2", "--bank-at", f"3={general}",

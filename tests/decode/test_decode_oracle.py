@@ -255,6 +255,17 @@ def test_an_adaptive_policys_step_costs_are_measured_where_it_runs(loaded, refer
     assert set(policy.costs) == {"n1", "chain4"} and all(0 < c < 0.5 for c in policy.costs.values())
     assert line.startswith("step costs measured here: ") and "chain4" in line and "n1" in line
     assert measure_costs(SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))) is None
+    # costs already measured on this model are reused: nothing is timed again
+    twin = Adaptive(FixedTree("entmtp-star", chain), [one], {"n1": 1.0, "chain4": 2.0}, {"n1": 1.0, "chain4": 3.0})
+    known = {one: 0.25, chain: 0.5}
+    again = SpecDecoder(loaded, OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size), twin)
+    assert measure_costs(again, known) == "step costs measured here: n1 250.0 ms, chain4 500.0 ms"
+    assert twin.costs == {"n1": 0.25, "chain4": 0.5} and known == {one: 0.25, chain: 0.5}
+    fresh = {}
+    measure_costs(SpecDecoder(loaded, OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size),
+                              Adaptive(FixedTree("entmtp-star", chain), [one], {"n1": 1.0, "chain4": 2.0},
+                                       {"n1": 1.0, "chain4": 3.0})), fresh)
+    assert set(fresh) == {one, chain}
     result = decoder.generate(PROMPT, DecodingConfig(policy="fixed", max_new_tokens=MAX_NEW))
     assert result.output_token_ids == reference
 
