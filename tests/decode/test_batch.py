@@ -164,8 +164,9 @@ def test_the_embedded_model_in_bf16_batches_bit_for_bit_within_32_rows(policy, s
     """bf16 on packed oneDNN weights: a row's products round alike at every row count up to 32 (docs/design.md §7);
     two requests on the GSM8K bank's star tree, or four AR requests (4 rows each), stay within that, so the batch
     is bit for bit the lone decoding."""
+    # the star tree itself (--no-adapt): which tree an adapting lane runs is its own test (test_decode_oracle.py)
     engine = Engine(ModelConfig(dtype="bf16", device="cpu"),
-                    DecodingConfig(policy=policy, task="gsm8k", max_new_tokens=24))
+                    DecodingConfig(policy=policy, task="gsm8k", max_new_tokens=24, adapt=False))
     prompts = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?",
                "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
