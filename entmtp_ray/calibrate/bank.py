@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, model_validator
 from entmtp_ray.assets import shipped_bank, shipped_bank_variants
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.policy import (SIGNALS, Adaptive, FixedTree, HysteresisPolicy, LadderPolicy, Policy,
-                                      make_signal)
+                                      fallbacks, make_signal)
 from entmtp_ray.decode.tree import Topology, make_topology
 from entmtp_ray.model.loading import machine_name
 
@@ -340,12 +340,6 @@ def _hysteresis(cfg: DecodingConfig, bank: Bank) -> HysteresisPolicy:
 BANK_POLICIES = {"entmtp-star": _star, "entmtp-ladder": _ladder, "entmtp-tau": _hysteresis}
 
 
-# smaller trees an adaptive policy may fall back to inside each of its trees, besides the one-node tree: the largest
-# of the bank's trees inside it with at most half its nodes (each is one more tree to build buffers for, or to
-# capture a CUDA graph of)
-FALLBACKS = 3
-
-
 def bank_policy(cfg: DecodingConfig, bank: Bank) -> Policy:
     """The EntMTP policy named by cfg.policy, with its trees and thresholds from `bank`; with cfg.adapt, one that
     falls back to smaller trees of the bank where a request's acceptance says they emit faster (`adaptive`)."""
@@ -363,19 +357,16 @@ def step_costs(bank: Bank) -> dict[str, float]:
 
 
 def adaptive(policy: Policy, bank: Bank) -> Policy:
-    """`policy` adapting to each request's content (policy.Adaptive) among the bank's trees inside its own: the
-    one-node tree and up to FALLBACKS of the largest with at most half a tree's nodes, at the bank's step costs until
-    a decoder measures its own (decode/costs.py). The policy itself where the bank has no one-node tree or no costs
-    for its trees."""
+    """`policy` adapting to each request's content (policy.Adaptive) among the bank's trees inside its own (the
+    one-node tree and up to policy.FALLBACKS of the largest with at most half a tree's nodes), at the bank's step
+    costs until a decoder measures its own (decode/costs.py), which may also settle it on another of the bank's
+    trees. The policy itself where the bank has no one-node tree or no costs for its trees."""
     costs = step_costs(bank)
     known = [bank.topology(t.name) for t in bank.trees if t.name in costs and t.tau]
     if not any(t.num_nodes == 1 for t in known):
         return policy
-    candidates = []
-    for tree in policy.trees():
-        inside = [t for t in known if t.path_set <= tree.path_set and 2 * t.num_nodes <= tree.num_nodes]
-        candidates += [t for t in inside if t.num_nodes == 1]
-        candidates += sorted((t for t in inside if t.num_nodes > 1), key=lambda t: -t.num_nodes)[:FALLBACKS]
+    candidates = [t for tree in policy.trees() for t in fallbacks(tree, known)]
     if not candidates:
         return policy
-    return Adaptive(policy, candidates, costs, {t.name: t.tau for t in bank.trees if t.tau})
+    return Adaptive(policy, candidates, costs, {t.name: t.tau for t in bank.trees if t.tau},
+                    homes=[bank.topology(t.name) for t in bank.trees if t.tau])

@@ -206,6 +206,20 @@ class HysteresisPolicy:
             self.is_aggressive = True
 
 
+# smaller trees an adaptive policy may fall back to inside each tree it runs, besides the one-node tree: the largest
+# of its known trees inside it with at most half its nodes (each is one more tree to build buffers for, or to
+# capture a CUDA graph of)
+FALLBACKS = 3
+
+
+def fallbacks(tree: Topology, known: list[Topology]) -> list[Topology]:
+    """The trees of `known` an adaptive policy running `tree` may fall back to: the one-node tree and up to FALLBACKS
+    of the largest inside `tree` with at most half its nodes."""
+    inside = [t for t in known if t.path_set <= tree.path_set and 2 * t.num_nodes <= tree.num_nodes]
+    return ([t for t in inside if t.num_nodes == 1]
+            + sorted((t for t in inside if t.num_nodes > 1), key=lambda t: -t.num_nodes)[:FALLBACKS])
+
+
 class Adaptive:
     """A policy's tree, or a smaller one inside it where this request's own acceptance says the smaller emits
     faster: the tree choice a job adapts to its content with (docs/design.md §2, "Adapting to the content").
@@ -218,23 +232,33 @@ class Adaptive:
     (factor `beta`) over the request's steps that ran a tree holding it, from `tau` (the bank's replayed one).
     choose() runs the inner policy's tree T unless a candidate S inside it would emit more than `margin` more
     tokens a second at those means and `costs` (seconds a step); then S, and T again every `probe` steps, so that
-    T's own mean keeps up with the content. The costs stay as the decoder's load set them (measured there,
-    decode/costs.py), so within a job the choice is a function of the request's tokens alone."""
+    T's own mean keeps up with the content.
+
+    `homes`: every tree the policy may settle on (the bank's): settle() weighs them at step costs measured where the
+    decoder runs (decode/costs.py) before its first request, and where one emits more than `margin` faster at the
+    bank's accepted lengths than each of the inner policy's trees, the policy runs that one as its star (its
+    switching, chosen at the bank's costs, dropped), with its own fallbacks. The costs then stay as they are, so
+    within a job the choice is a function of the request's tokens alone."""
 
     def __init__(self, inner: Policy, candidates: list[Topology], costs: dict[str, float], tau: dict[str, float],
-                 beta: float = 0.9, margin: float = 0.05, probe: int = 16):
+                 beta: float = 0.9, margin: float = 0.05, probe: int = 16, homes: list[Topology] = ()):
         if not 0.0 <= beta < 1.0 or margin < 0 or probe < 1:
             raise ValueError(f"adaptive policy: beta in [0, 1), margin >= 0, probe >= 1 (got {beta}, {margin}, "
                              f"{probe})")
         self.inner, self.name, self.signal_stat = inner, inner.name, inner.signal_stat
         self.costs, self.prior = dict(costs), dict(tau)
         self.beta, self.margin, self.probe = beta, margin, probe
-        known = [t for t in dict.fromkeys([*inner.trees(), *candidates]) if t.name in costs and t.name in tau]
+        self.homes = [t for t in dict.fromkeys(homes) if t.name in tau]
+        self._place(candidates)
+        self.reset()
+
+    def _place(self, candidates: list[Topology]) -> None:
+        known = [t for t in dict.fromkeys([*self.inner.trees(), *candidates])
+                 if t.name in self.costs and t.name in self.prior]
         # every tree a step may run -> the known trees inside it, fewest nodes first (itself among them when known;
         # none for a tree without a cost: it runs as the inner policy picks it)
         self.inside = {t.name: sorted((s for s in known if s.path_set <= t.path_set), key=lambda s: s.num_nodes)
-                       if t in known else [] for t in dict.fromkeys([*inner.trees(), *known])}
-        self.reset()
+                       if t in known else [] for t in dict.fromkeys([*self.inner.trees(), *known])}
 
     def trees(self) -> list[Topology]:
         return list(dict.fromkeys([*self.inner.trees(), *(s for t in self.inner.trees() for s in self.inside[t.name])]))
@@ -252,6 +276,27 @@ class Adaptive:
     def rate(self, tree: Topology) -> float:
         """Tokens a second this request would get from `tree` at its accepted length so far."""
         return self.tau[tree.name] / self.costs[tree.name]
+
+    def settle(self, costs: dict[str, float], tolerance: float = 0.01) -> Topology | None:
+        """Take `costs` (seconds a step, by tree name) for the trees they name, and run as the star the smallest of
+        the homes within `tolerance` of the fastest at the bank's accepted lengths, where it is more than `margin`
+        faster than each of the inner policy's trees; that star (None where the inner policy stays)."""
+        self.costs.update(costs)
+        priced = [t for t in self.homes if t.name in self.costs]
+        own = [t for t in self.inner.trees() if t.name in self.costs and t.name in self.prior]
+        self.tau = dict(self.prior)
+        if not priced or not own:
+            return None
+        fastest = max(map(self.rate, priced))
+        star = min((t for t in priced if self.rate(t) >= (1 - tolerance) * fastest), key=lambda t: (t.num_nodes,
+                                                                                                    t.name))
+        if star in own or self.rate(star) <= (1 + self.margin) * max(map(self.rate, own)):
+            self._place([t for tree in self.inner.trees() for t in fallbacks(tree, priced)])
+            return None
+        self.inner, self.signal_stat = FixedTree(self.name, star), None
+        self._place(fallbacks(star, priced))
+        self.reset()
+        return star
 
     def choose(self) -> Topology:
         want = self.inner.choose()

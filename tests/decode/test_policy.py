@@ -178,6 +178,32 @@ def test_adaptive_falls_back_to_ar_within_a_few_steps_where_no_draft_is_accepted
     assert tail.count("n4") == pytest.approx(len(tail) / 16, abs=1) and "n3" not in tail
 
 
+def test_adaptive_settles_on_the_home_that_emits_fastest_at_the_costs_measured_where_it_runs():
+    homes = [ONE, CHAIN, WIDE]
+
+    def ladder() -> Adaptive:  # a switching policy over the wide tree and the root, from a bank timed elsewhere
+        inner = LadderPolicy("entmtp-ladder", [WIDE, ONE], [1.0], make_signal("entropy"))
+        return Adaptive(inner, [ONE], COSTS, {"n1": 1.0, "n3": 2.0, "n4": 2.4}, homes=homes)
+
+    policy = ladder()
+    # here the chain costs what the root does and the wide tree three times as much: the chain emits 2 tokens a
+    # second, more than 5% over the wide tree's 0.8 and the root's 1; it runs as the star, the pair dropped, the
+    # root its fallback
+    assert policy.settle({"n1": 1.0, "n3": 1.0, "n4": 3.0}) == CHAIN
+    assert isinstance(policy.inner, FixedTree) and policy.name == "entmtp-ladder" and policy.signal_stat is None
+    assert policy.trees() == [CHAIN, ONE] and policy.choose() == CHAIN and policy.costs["n4"] == 3.0
+    # within the margin of one of the policy's own trees: the policy stays, at the new costs
+    stays = ladder()
+    assert stays.settle({"n1": 1.0, "n3": 1.95, "n4": 2.35}) is None
+    assert stays.inner.name == "entmtp-ladder" and stays.costs["n3"] == 1.95 and stays.signal_stat == "entropy"
+    # of homes within the tolerance of the fastest, the fewest nodes; the root alone where nothing drafted pays
+    tied = ladder()
+    assert tied.settle({"n1": 1.0, "n3": 2.0, "n4": 2.4 / 1.005}) is None and tied.inner.name == "entmtp-ladder"
+    ar = Adaptive(FixedTree("entmtp-star", WIDE), [ONE], COSTS, {"n1": 1.0, "n3": 2.0, "n4": 2.4}, homes=homes)
+    assert ar.settle({"n1": 1.0, "n3": 2.5, "n4": 3.0}) == ONE and ar.trees() == [ONE]
+    assert Adaptive(FixedTree("x", WIDE), [ONE], COSTS, {"n1": 1.0, "n4": 2.4}).settle({"n1": 0.1}) is None  # no homes
+
+
 def test_adaptive_counts_only_the_path_a_smaller_tree_holds_and_leaves_unknown_trees_alone():
     policy = adaptive(beta=0.0)
     policy.observe(Step(tree="n4", accepted_length=3, path=(0, 0)))
