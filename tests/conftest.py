@@ -6,11 +6,15 @@ inherited by every job and Ray worker a test starts), so a test that needs the h
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 # every Ray the suite starts or joins, in this process and the jobs it runs, without token auth: a ~/.ray/auth_token
 # left by any local ray.init() would otherwise turn it on for a `ray start` head and refuse clients without it
 os.environ["RAY_AUTH_MODE"] = "disabled"
+# step costs the suite's decoders measure (decode/costs.py) go to a folder of this run's, not the machine's cost
+# tables: timed beside another test, they are not what a job alone would see
+os.environ["ENTMTP_COSTS"] = tempfile.mkdtemp(prefix="entmtp-costs-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -17,6 +17,7 @@ import platform
 import shutil
 import tempfile
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -132,6 +133,24 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         return frozenset()
     return frozenset(flags.split()[2:])
+
+
+# the CPU's vector extensions a step's cost depends on (what the kernels and oneDNN pick their code by)
+ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_isa() -> list[str]:
+    """Which of ISA_FLAGS this CPU has (a cost table's key: two CPUs of one model name may differ)."""
+    return [flag for flag in ISA_FLAGS if flag in _cpu_flags()]
+
+
+def package_version() -> str:
+    """This package's installed version ('unknown' when it runs uninstalled)."""
+    try:
+        return metadata.version("entmtp-ray")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def cpu_has_native_bf16() -> bool:

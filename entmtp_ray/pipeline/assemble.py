@@ -17,15 +17,17 @@ from entmtp_ray.assets import shipped_bank
 from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, bank_policy, current_hardware, default_bank_path,
                                        load_bank, resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.decode.costs import measure_costs
+from entmtp_ray.decode.costs import CostTable, measure_costs
 from entmtp_ray.decode.drafting import HydraDrafter
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import POLICIES, Adaptive, Policy, make_policy
 from entmtp_ray.decode.static import static_capacity
 from entmtp_ray.decode.tree import Topology, make_topology
 from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, check_quantization,
-                                      draft_vocab_for, heads_source, load_model, load_model_heads, pick_activations,
-                                      pick_dtype)
+                                      cpu_isa, draft_vocab_for, heads_source, load_model, load_model_heads,
+                                      package_version, pick_activations, pick_dtype)
+from entmtp_ray.model.native import extension
+from entmtp_ray.model.products import native_expected
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +192,8 @@ class Stack:
     drafter: HydraDrafter | None
     heads_label: str | None  # the heads directory, owner/name@commit of a hub id, or 'untrained', for output rows
     draft_vocab_size: int  # 0 = drafts over the full vocabulary
-    # seconds per step of each tree measured through this model's decoders (decode/costs.py): each tree timed once
-    step_costs: dict[Topology, float] = field(default_factory=dict, repr=False)
+    # seconds a step of each tree on this machine (decode/costs.py): opened at the first adaptive decoder
+    step_costs: CostTable | None = field(default=None, repr=False)
 
     @property
     def max_depth(self) -> int:
@@ -200,17 +202,42 @@ class Stack:
     def decoder(self, policy: Policy, decoding: DecodingConfig | None = None) -> SpecDecoder:
         """A decoder for `policy` on this model; a policy that never drafts gets no drafter (no heads' work). With
         `decoding`, a static KV cache (CUDA) holds what its longest prompt allowed and its new tokens need
-        (static.static_capacity), not the model's whole context. A policy that adapts to content gets its trees' step
-        costs measured through the new decoder (decode/costs.py; the decoder's `costs` says so)."""
-        drafts = any(t.depth > 0 for t in policy.trees())
+        (static.static_capacity), not the model's whole context. A policy that adapts to content gets its bank's
+        trees' step costs on this machine (this machine's cost table, measured into it on first use) and settles at
+        them (decode/costs.py; the decoder's `costs` says where they came from)."""
+        adapts = isinstance(policy, Adaptive)
+        trees = [*policy.trees(), *(policy.homes if adapts else ())]
+        drafts = any(t.depth > 0 for t in trees)
         capacity = None if decoding is None else static_capacity(
             decoding.max_input_tokens, decoding.max_new_tokens, max(t.num_nodes for t in policy.trees()),
             self.loaded.max_positions)
         decoder = SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
-        if isinstance(policy, Adaptive):  # it weighs its trees at what their steps cost here, not on the bank's machine
+        if adapts:  # it weighs its trees at what their steps cost here, not on the bank's machine
+            if self.step_costs is None:
+                self.step_costs = CostTable.open(cost_key(self))
+            before = policy.trees()
             decoder.costs = measure_costs(decoder, self.step_costs)
             log.info("%s: %s", policy.name, decoder.costs)
+            if policy.trees() != before:  # settled on another star: its trees' buffers
+                costs, drafts = decoder.costs, any(t.depth > 0 for t in policy.trees())
+                decoder = SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
+                decoder.costs = costs
         return decoder
+
+
+def cost_key(stack: Stack) -> dict:
+    """What a step's cost on this machine depends on, naming its cost table (decode/costs.CostTable): the model, its
+    heads and draft vocabulary, the hardware a bank records (the CPU model, or the GPU and its backend; the threads,
+    dtype, weights, activations), and the code: the torch and package versions and, on a CPU, its vector extensions
+    and the C++ kernels' source hash."""
+    loaded = stack.loaded
+    hardware = current_hardware(loaded.device, loaded.dtype, 1, loaded.quantize, loaded.activations)
+    key = {"model": Path(loaded.name).name, "heads": stack.heads_label, "draft_vocab": stack.draft_vocab_size,
+           **hardware.model_dump(exclude={"concurrency"}), "torch": torch.__version__, "package": package_version()}
+    if not hardware.on_gpu:
+        key["isa"] = cpu_isa()
+        key["kernels"] = extension().name if native_expected() else None
+    return key
 
 
 def load_stack(model_cfg: ModelConfig, with_heads: bool, transformers_forward: bool = True) -> Stack:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from importlib import metadata
 from pathlib import Path
 
 from entmtp_ray.config import DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.hub import snapshot_label
-from entmtp_ray.model.loading import UNTRAINED_HEADS, resolve_heads_path
+from entmtp_ray.model.loading import UNTRAINED_HEADS, package_version, resolve_heads_path
 from entmtp_ray.pipeline.assemble import AUTO_BANK
 from entmtp_ray.pipeline.sources import Location
 
@@ -37,13 +36,6 @@ def content_hash(path: Path) -> str:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()
-
-
-def _version() -> str:
-    try:
-        return metadata.version("entmtp-ray")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def heads_identity(model_cfg: ModelConfig) -> tuple[str, str]:
@@ -77,7 +69,7 @@ def run_settings(model_cfg: ModelConfig, decoding: DecodingConfig, source: Input
 
 def manifest(settings: dict, sources: dict) -> dict:
     """The file's content: `settings` (compared on --resume) and, for people, where things came from."""
-    return {"format": FORMAT, "project": "entmtp-ray", "version": _version(),
+    return {"format": FORMAT, "project": "entmtp-ray", "version": package_version(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "settings": settings, "sources": sources}
 

@@ -164,7 +164,7 @@ def test_bank_policies_adapt_among_the_banks_smaller_trees_unless_told_not_to():
     star = make_policy(DecodingConfig(policy="entmtp-star"), bank)
     assert isinstance(star, Adaptive) and star.name == "entmtp-star" and [t.name for t in star.trees()] == ["n3", "n1"]
     assert star.costs["n1"] == pytest.approx(1 / 30) and star.costs["n3"] == pytest.approx(1.5 / 40)
-    assert star.tau == {"n1": 1.0, "n3": 1.5, "n5": 2.0}
+    assert star.tau == {"n1": 1.0, "n3": 1.5, "n5": 2.0} and [t.name for t in star.homes] == ["n1", "n3", "n5"]
     # n3 is inside n5 but has more than half its nodes: only the one-node tree is a fallback of a star n5; a ladder
     # that runs n3 itself may fall from n5 to it
     star5 = make_policy(DecodingConfig(policy="entmtp-star"),
@@ -201,7 +201,11 @@ def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path,
                                                   aggressive="n5", tau_on=q[1], tau_off=q[3])
     path = tmp_path / "bank.json"
     save_bank(bank, path)
-    row = Engine(model_cfg, DecodingConfig(policy=policy, bank=str(path), max_new_tokens=40)).run("r", "Write a poem.")
+    engine = Engine(model_cfg, DecodingConfig(policy=policy, bank=str(path), max_new_tokens=40))
+    # the policy settled at the step costs measured here, on any of the bank's trees: each tree it runs is built
+    assert engine.decoder.costs.startswith("step costs ")
+    assert set(engine.decoder.policy.trees()) <= set(engine.decoder.buffers)
+    row = engine.run("r", "Write a poem.")
     assert row["error"] is None and row["bank"] == str(path) and row["policy"] == policy
     assert row["output_token_ids"] == reference.output_token_ids
     used = set(row["tree_usage"])

@@ -242,32 +242,53 @@ def test_an_adaptive_policy_falls_back_to_one_node_and_its_probe_brings_it_back_
     assert_cache_holds_the_committed_prefix(loaded, decoder, result)
 
 
-def test_an_adaptive_policys_step_costs_are_measured_where_it_runs(loaded, reference):
+def test_an_adaptive_policys_step_costs_are_measured_where_it_runs_and_kept_for_the_next(loaded, reference,
+                                                                                         tmp_path):
     """measure_costs puts each of the policy's trees' seconds per step, timed through the decoder, in place of the
-    bank's costs; a policy that does not adapt is left alone; the decoder then decodes as before."""
-    from entmtp_ray.decode.costs import measure_costs
+    bank's costs and into the machine's cost table, which the next decoder reads instead of timing again; a table
+    of another machine or setting is another file; a policy that does not adapt is left alone; the decoder then
+    decodes as before."""
+    from entmtp_ray.decode.costs import CostTable, measure_costs
     from entmtp_ray.decode.tree import load_topology
 
     one, chain = make_topology([], "n1"), tree_of("chain4")
-    policy = Adaptive(FixedTree("entmtp-star", chain), [one], {"n1": 1.0, "chain4": 2.0}, {"n1": 1.0, "chain4": 3.0})
-    decoder = SpecDecoder(loaded, OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size), policy)
-    line = measure_costs(decoder)
+
+    def star() -> Adaptive:
+        return Adaptive(FixedTree("entmtp-star", chain), [one], {"n1": 1.0, "chain4": 2.0}, {"n1": 1.0, "chain4": 3.0})
+
+    def decoder_of(policy) -> SpecDecoder:
+        return SpecDecoder(loaded, OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size), policy)
+
+    key = {"model": "tiny/llama", "machine": "here", "threads": 1}
+    policy = star()
+    decoder = decoder_of(policy)
+    line = measure_costs(decoder, CostTable.open(key, tmp_path))
     assert set(policy.costs) == {"n1", "chain4"} and all(0 < c < 0.5 for c in policy.costs.values())
-    assert line.startswith("step costs measured here: ") and "chain4" in line and "n1" in line
+    path = tmp_path / f"tiny_llama-{CostTable.open(key, tmp_path).path.name.split('-')[-1]}"
+    assert line.startswith(f"step costs measured now (2 trees, ") and f" in {path}: " in line and "chain4" in line
+    again = star()
+    line = measure_costs(decoder_of(again), CostTable.open(key, tmp_path))
+    assert line.startswith("step costs cached from ") and again.costs == policy.costs
+    assert CostTable.open({**key, "machine": "there"}, tmp_path).entries == {}
+    assert measure_costs(decoder_of(star())).startswith("step costs measured now (2 trees, ")  # no table: in memory
     assert measure_costs(SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))) is None
-    # costs already measured on this model are reused: nothing is timed again
-    twin = Adaptive(FixedTree("entmtp-star", chain), [one], {"n1": 1.0, "chain4": 2.0}, {"n1": 1.0, "chain4": 3.0})
-    known = {one: 0.25, chain: 0.5}
-    again = SpecDecoder(loaded, OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size), twin)
-    assert measure_costs(again, known) == "step costs measured here: n1 250.0 ms, chain4 500.0 ms"
-    assert twin.costs == {"n1": 0.25, "chain4": 0.5} and known == {one: 0.25, chain: 0.5}
-    fresh = {}
-    measure_costs(SpecDecoder(loaded, OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size),
-                              Adaptive(FixedTree("entmtp-star", chain), [one], {"n1": 1.0, "chain4": 2.0},
-                                       {"n1": 1.0, "chain4": 3.0})), fresh)
-    assert set(fresh) == {one, chain}
     result = decoder.generate(PROMPT, DecodingConfig(policy="fixed", max_new_tokens=MAX_NEW))
     assert result.output_token_ids == reference
+
+
+def test_trees_that_cannot_win_at_the_costs_known_are_not_timed(loaded, reference, tmp_path):
+    """A tree whose tokens a step, even at a smaller tree's cost, stay below CONTENDER of the fastest tree's rate is
+    left unpriced (no timing, no entry); the one-node tree is timed precisely with whatever else may win."""
+    from entmtp_ray.decode.costs import CONTENDER, CostTable, price
+
+    one, chain, wide = make_topology([], "n1"), tree_of("chain4"), make_topology([(i,) for i in range(15)], "w16")
+    decoder = SpecDecoder(loaded, OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size),
+                          FixedTree("x", one))
+    table = CostTable.open({"model": "tiny"}, tmp_path)
+    table.add({one: (1.0, 1)})  # a made-up second a step: any tree of tau < CONTENDER is hopeless above it
+    costs = price(decoder, [one, chain, wide], {"n1": 1.0, "chain4": CONTENDER * 0.99, "w16": 5.0}, table)
+    assert set(costs) == {"n1", "w16"} and costs["n1"] == 1.0 and costs["w16"] < 0.5
+    assert table.seconds(chain) is None and CostTable.open({"model": "tiny"}, tmp_path).seconds(wide) == costs["w16"]
 
 
 def test_one_node_steps_of_a_drafting_policy_reach_the_drafter_with_its_next_drafting_step(loaded, reference):
