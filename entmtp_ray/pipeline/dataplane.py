@@ -232,18 +232,21 @@ def run_job(prompts: PromptSpec | pa.Table, job: JobConfig, processor: Processor
         summary["calibration"] = calibration
     summary["ok"] = calibration_problem(calibration) is None
     summary["startup"] = start_up_timeline(start, timeline, ray.get(ledger.startup.remote()),
-                                           summary.get("first_row_s"))
+                                           summary.get("first_row_s"), ray.get(ledger.noted.remote()))
     return summary
 
 
 def start_up_timeline(started: float, driver: dict[str, float], actors: dict[str, dict[str, float]],
-                      first_row_s: float | None) -> dict:
+                      first_row_s: float | None, notes: dict[str, dict[str, str]] | None = None) -> dict:
     """The job's start-up as seconds since `started`: the driver's phases (Ray up, the job's checks, the actors'
     dtype asked, the dataset planned), then each actor's in the order it started (process up, imports, bank,
-    weights, decoder, kernels, warm-up, ready, its first request), and when the first row was written."""
+    weights, decoder, kernels, warm-up, ready, its first request) with what it noted of its load (`notes`: where
+    its step costs came from), and when the first row was written."""
     def since(marks: dict[str, float]) -> dict[str, float]:
         return {phase: round(at - started, 2) for phase, at in sorted(marks.items(), key=lambda kv: kv[1])}
 
     ordered = sorted(actors.items(), key=lambda kv: kv[1].get("process_up", 0.0))
-    return {"driver": since(driver), "actors": [{"actor": actor[:12], **since(marks)} for actor, marks in ordered],
+    notes = notes or {}
+    return {"driver": since(driver), "actors": [{"actor": actor[:12], **since(marks), **notes.get(actor, {})}
+                                                for actor, marks in ordered],
             "first_row_s": first_row_s}

@@ -61,11 +61,12 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
     files = readable_files(location)
     rows = errors = tokens = steps = nodes = accepted = 0
     first_start, last_end, first_row_end = None, None, None
-    keys = []
+    keys, usage = [], []
     if files:
         dataset = pads.dataset(files, filesystem=location.filesystem, format="parquet")
         # columns an older release did not write: no samples, accepted drafts derived from the step counts
-        columns = SUMMARY_COLUMNS + [c for c in ("sample_index", "num_accepted_tokens") if c in dataset.schema.names]
+        columns = SUMMARY_COLUMNS + [c for c in ("sample_index", "num_accepted_tokens", "tree_usage")
+                                     if c in dataset.schema.names]
         for batch in dataset.to_batches(columns=columns):
             rows += batch.num_rows
             keys.append(_keys(batch, "sample_index" in columns))
@@ -77,6 +78,9 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
             batch_steps = pc.sum(ok.column("steps")).as_py() or 0
             tokens, steps = tokens + batch_tokens, steps + batch_steps
             nodes += pc.sum(ok.column("verified_nodes")).as_py() or 0
+            if "tree_usage" in columns:
+                trees = ok.column("tree_usage")
+                usage.append(pa.table({"tree": trees.keys, "steps": trees.items}))
             if "num_accepted_tokens" in columns:
                 accepted += pc.sum(ok.column("num_accepted_tokens")).as_py() or 0
             else:  # each step's tokens but its bonus, each row's but its prefill's
@@ -104,11 +108,19 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
         "num_draft_tokens": nodes - steps,
         "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / (nodes - steps) if nodes > steps else None,
+        "tree_usage": _tree_usage(usage),  # the tree mix: steps each tree ran, over every row, most first
         "decode_span_s": span,
         "wall_s": time.time() - started,
         "first_row_s": first_row_end - started if first_row_end is not None else None,  # job start -> first row
         "output": location.uri if not location.is_local else os.path.abspath(location.path),
     }
+
+
+def _tree_usage(parts: list[pa.Table]) -> dict[str, int]:
+    if not parts:
+        return {}
+    steps = pa.concat_tables(parts).group_by("tree").aggregate([("steps", "sum")]).to_pylist()
+    return {row["tree"]: row["steps_sum"] for row in sorted(steps, key=lambda row: (-row["steps_sum"], row["tree"]))}
 
 
 def _min(a, b):

@@ -75,7 +75,10 @@ class GenerateActor:
     def _mark(self, phase: str) -> None:
         self.marks[phase] = time.time()
         if phase in ("ready", "first_request") and self.ledger is not None:
-            self.ledger.started.remote(ray.get_runtime_context().get_actor_id(), dict(self.marks))
+            actor = ray.get_runtime_context().get_actor_id()
+            self.ledger.started.remote(actor, dict(self.marks))
+            if phase == "ready" and self.engine.decoder.costs:
+                self.ledger.note.remote(actor, "step_costs", self.engine.decoder.costs)
 
     def _load(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None, bank_label: str | None,
               concurrency: int):

@@ -93,11 +93,13 @@ class TablePrompts(Datasource):
 class JobLedger:
     """What the job's workers report to its driver, in one actor (each actor is a process of its own to start, on the
     machine the first row waits for): rows counted by name (`read`, `samples`), once per block however often a retried
-    task reports it, and the start-up timelines its actors report (actor id -> unix seconds by phase)."""
+    task reports it, and the start-up timelines its actors report (actor id -> unix seconds by phase) with what they
+    note of their load (where their step costs came from)."""
 
     def __init__(self):
         self.blocks: dict[str, dict[str, int]] = {}
         self.actors: dict[str, dict[str, float]] = {}
+        self.notes: dict[str, dict[str, str]] = {}  # actor id -> what it says of its load (where its step costs came from)
 
     def count(self, name: str, key: str, rows: int) -> None:
         self.blocks.setdefault(name, {})[key] = rows
@@ -110,6 +112,12 @@ class JobLedger:
 
     def startup(self) -> dict[str, dict[str, float]]:
         return self.actors
+
+    def note(self, actor_id: str, name: str, text: str) -> None:
+        self.notes.setdefault(actor_id, {})[name] = text
+
+    def noted(self) -> dict[str, dict[str, str]]:
+        return self.notes
 
 
 def counted(ledger, name: str):

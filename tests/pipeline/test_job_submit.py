@@ -35,6 +35,10 @@ def test_ray_job_submit_humaneval(tmp_path):
         assert "succeeded" in submit.stdout
         summary = next(json.loads(line) for line in reversed(submit.stdout.splitlines()) if line.startswith('{"rows"'))
         assert summary["rows"] == 2 and summary["errors"] == 0 and summary["duplicates"] == 0
+        # the adapting default says where its step costs came from, and the tree mix the rows ran
+        actor, = summary["startup"]["actors"]
+        assert actor["step_costs"].startswith("step costs ") and " ms" in actor["step_costs"]
+        assert sum(summary["tree_usage"].values()) >= 2 and all(t.startswith("humaneval-") for t in summary["tree_usage"])
     rows = pads.dataset(str(output), format="parquet").to_table().to_pylist()
     assert len(rows) == 2 and len({r["id"] for r in rows}) == 2
     assert all(r["id"].startswith("HumanEval/") and r["error"] is None and r["num_output_tokens"] > 0 for r in rows)

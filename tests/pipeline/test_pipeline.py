@@ -41,6 +41,7 @@ def test_job_writes_every_row_once_with_stats_and_input_columns(tiny_model_dirs,
     assert len(rows) == 9 and len(by_id) == 9
     assert summary["rows"] == 9 and summary["errors"] == 3 and summary["duplicates"] == 0
     assert summary["output_tokens"] == sum(r["num_output_tokens"] for r in rows)
+    assert summary["tree_usage"] == {"hydra": sum(r["steps"] for r in rows)}
     assert set(OUTPUT_COLUMNS) <= set(rows[0]) and {"label"} <= set(rows[0])
     for i in range(6):
         row = by_id[f"q{i}"]

@@ -165,11 +165,16 @@ def test_summary_figures_from_what_was_written(tmp_path):
     # rows that count their accepted drafts (a step cut before its bonus kept only drafts) are summed as written
     counted = tmp_path / "counted"
     counted.mkdir()
-    pq.write_table(pa.Table.from_pylist([row("a", 10, 4, 100.0, 2.0) | {"num_accepted_tokens": 6, "sample_index": 0},
-                                         row("a", 9, 4, 100.0, 2.0) | {"num_accepted_tokens": 5, "sample_index": 1}]),
+    # and the tree mix is each tree's steps over the good rows, most first
+    rows = [row("a", 10, 4, 100.0, 2.0) | {"num_accepted_tokens": 6, "sample_index": 0, "tree_usage": {"t2": 3, "t1": 1}},
+            row("a", 9, 4, 100.0, 2.0) | {"num_accepted_tokens": 5, "sample_index": 1, "tree_usage": [("t1", 4)]},
+            row("b", 0, 0, 100.0, None, "bad") | {"num_accepted_tokens": 0, "sample_index": 0, "tree_usage": None}]
+    pq.write_table(pa.Table.from_pylist(rows, pa.schema([f for f in OUTPUT_SCHEMA if f.name in rows[0]])),
                    counted / "part-0.parquet")
-    two = summarize(str(counted), started=100.5, input_rows=1, expected_rows=2)
-    assert (two["num_accepted_tokens"], two["duplicates"], two["expected_rows"]) == (11, 0, 2)
+    two = summarize(str(counted), started=100.5, input_rows=2, expected_rows=3)
+    assert (two["num_accepted_tokens"], two["duplicates"], two["expected_rows"]) == (11, 0, 3)
+    assert two["tree_usage"] == {"t1": 5, "t2": 3} and list(two["tree_usage"]) == ["t1", "t2"]
+    assert summary["tree_usage"] == {}  # an output written before the column
     empty = summarize(str(tmp_path / "none"), started=0.0, input_rows=0)
     assert (empty["rows"], empty["output_tokens"], empty["mean_accepted_length"]) == (0, 0, None)
     assert empty["acceptance_rate"] is None
