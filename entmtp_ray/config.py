@@ -139,10 +139,11 @@ class DecodingConfig(SamplingParams):
         False, description="record the scheduling signal before every step (Parquet step_signals) even when the "
         "policy reads none, e.g. to relate accepted length to entropy for AR or Hydra's tree; costs one verifier "
         "statistic per step. EntMTP policies that switch trees record it anyway")
-    adapt: bool = Field(True, description="the entmtp policies run a smaller tree of their bank (the one-node tree "
-                        "among them) wherever this request's own acceptance says it emits faster at the bank's step "
-                        "costs, and their own tree again every 16 steps (docs/design.md §2); --no-adapt runs the "
-                        "policy's trees as the bank gives them")
+    adapt: bool = Field(True, description="the entmtp policies settle on their bank's fastest tree at this "
+                        "machine's step costs (its cost table in $ENTMTP_COSTS, timed at load on first use), and run "
+                        "a smaller tree of the bank (the one-node tree among them) wherever this request's own "
+                        "acceptance says it emits faster, and their own tree again every 16 steps (docs/design.md "
+                        "§2); --no-adapt runs the policy's trees as the bank gives them, at its costs")
     max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
 
     def sampling(self) -> SamplingParams:
