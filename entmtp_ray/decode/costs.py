@@ -106,8 +106,11 @@ class CostTable:
         keys = {shape_key(t) for t in trees if self.seconds(t) is not None}
         now = keys & self.measured_now
         cached = sorted(self.entries[k]["measured"] for k in keys - now)
-        parts = ([f"measured now ({len(now)} trees, {spent:.1f} s)"] if now else []) + (
-            [f"cached from {cached[0][:16].replace('T', ' ')}" + (f" ({len(cached)} trees)" if now else "")]
+        def trees(n: int) -> str:
+            return f"{n} tree{'s' if n != 1 else ''}"
+
+        parts = ([f"measured now ({trees(len(now))}, {spent:.1f} s)"] if now else []) + (
+            [f"cached from {cached[0][:16].replace('T', ' ')}" + (f" ({trees(len(cached))})" if now else "")]
             if cached else [])
         return " and ".join(parts) + (f" in {self.path}" if self.path is not None else " (kept in memory only)")
 
@@ -145,16 +148,22 @@ def price(decoder: SpecDecoder, trees: list[Topology], tau: dict[str, float], ta
     """Seconds a step of each of `trees` through `decoder`, from `table` where it has them; the others that may be
     chosen timed here and added to it. First roughly (2 steps, one round), `batch` trees at a time from the fewest
     nodes up, leaving out a tree that could not come within CONTENDER of the fastest tokens a second (`tau[name]`
-    tokens a step) even at the cost of a smaller tree (a step costs more with more nodes); then again with `steps`
-    and `rounds`, those within CONTENDER of the fastest and the one-node tree every adaptive policy falls back to.
-    Trees left out get no cost."""
+    tokens a step) even at the cost of the dearest smaller tree plus half the growth a node the known trees show
+    beyond it (a step costs more with more nodes); then again with `steps` and `rounds`, those within CONTENDER of
+    the fastest and the one-node tree every adaptive policy falls back to. Trees left out get no cost."""
     costs = {t.name: table.seconds(t) for t in trees if table.seconds(t) is not None}
     missing = sorted((t for t in dict.fromkeys(trees) if t.name not in costs), key=lambda t: t.num_nodes)
 
     def hopeless(tree: Topology) -> bool:
-        below = [costs[t.name] for t in trees if t.name in costs and t.num_nodes < tree.num_nodes]
-        fastest = max((tau.get(name, 1.0) / s for name, s in costs.items()), default=0.0)
-        return bool(below) and tau.get(tree.name, 1.0) / max(below) < CONTENDER * fastest
+        below = sorted((t.num_nodes, costs[t.name]) for t in trees if t.name in costs and t.num_nodes < tree.num_nodes)
+        if not below:
+            return False
+        # at least the dearest smaller tree's cost, and half the growth a node the known trees show beyond it
+        (fewest, first), (most, dearest) = below[0], max(below, key=lambda nc: nc[1])
+        growth = max(0.0, (dearest - first) / (most - fewest)) if most > fewest else 0.0
+        floor = dearest + 0.5 * growth * (tree.num_nodes - most)
+        fastest = max(tau.get(name, 1.0) / s for name, s in costs.items())
+        return tau.get(tree.name, 1.0) / floor < CONTENDER * fastest
 
     rough: dict[str, float] = {}
     while missing:

@@ -277,8 +277,9 @@ def test_an_adaptive_policys_step_costs_are_measured_where_it_runs_and_kept_for_
 
 
 def test_trees_that_cannot_win_at_the_costs_known_are_not_timed(loaded, reference, tmp_path):
-    """A tree whose tokens a step, even at a smaller tree's cost, stay below CONTENDER of the fastest tree's rate is
-    left unpriced (no timing, no entry); the one-node tree is timed precisely with whatever else may win."""
+    """A tree whose tokens a step, even at the cost a smaller tree bounds it by, stay below CONTENDER of the fastest
+    tree's rate is left unpriced (no timing, no entry); the one-node tree is timed precisely with whatever else may
+    win."""
     from entmtp_ray.decode.costs import CONTENDER, CostTable, price
 
     one, chain, wide = make_topology([], "n1"), tree_of("chain4"), make_topology([(i,) for i in range(15)], "w16")
@@ -289,6 +290,12 @@ def test_trees_that_cannot_win_at_the_costs_known_are_not_timed(loaded, referenc
     costs = price(decoder, [one, chain, wide], {"n1": 1.0, "chain4": CONTENDER * 0.99, "w16": 5.0}, table)
     assert set(costs) == {"n1", "w16"} and costs["n1"] == 1.0 and costs["w16"] < 0.5
     assert table.seconds(chain) is None and CostTable.open({"model": "tiny"}, tmp_path).seconds(wide) == costs["w16"]
+    # the bound grows with the nodes as the known trees' costs do (half their growth a node): 1 s at one node and
+    # 3 s at five make 16 nodes at least 5.75 s, too dear for 2.5 tokens a step beside the root's 1 a second
+    grown = CostTable({}, None)
+    grown.add({one: (1.0, 1), chain: (3.0, 1)})
+    assert price(decoder, [one, chain, wide], {"n1": 1.0, "chain4": 1.0, "w16": 2.5}, grown) == {"n1": 1.0,
+                                                                                               "chain4": 3.0}
 
 
 def test_one_node_steps_of_a_drafting_policy_reach_the_drafter_with_its_next_drafting_step(loaded, reference):
