@@ -19,7 +19,7 @@ import signal, sys, time, traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODULES = ["entmtp_ray/decode/acceptance.py", "entmtp_ray/decode/accepting.py", "entmtp_ray/decode/tree.py",
+DEFAULT_MODULES = ["entmtp_ray/decode/acceptance.py", "entmtp_ray/decode/tree.py",
                    "entmtp_ray/model/kv_cache.py", "entmtp_ray/decode/drafting.py", "entmtp_ray/decode/verify.py",
                    "entmtp_ray/decode/policy.py", "entmtp_ray/decode/loop.py"]
 DEFAULT_TESTS = 'tests -m "not slow"'

@@ -1,21 +1,145 @@
-"""Which drafted path to accept, and the token that follows it. No model inside.
+"""A step's acceptance: which drafted path the verifier accepts, and the token that follows it.
 
-Inputs are the tree's tokens and the verifier's logits at the *scored* nodes (those with
-children: only their distributions decide acceptance), addressed through `row_of_node`.
-A candidate path is a row of the tree's retrieve indices (root -> leaf, -1 padded). The
-result is the accepted node chain, root first; its length is the step's accepted length
-(the root counts as the bonus token the base model always contributes).
+`accept(request, verified)` is the one call (the accept phase of decode/loop.py's step). It runs the request's
+rule, one function each: `greedy` (T=0: the longest path of argmax tokens, exactly plain greedy's), `typical`
+(Hydra/Medusa's threshold, when sampling and asked for) and `exact` (multi-candidate speculative sampling, the
+default when sampling: the verifier's distribution kept). Each computes on the device and reads its answer back to
+the host once (`read_back`, by name); a last node without logits costs one more, and exact acceptance's walk one
+before it. The rules' tensor parts below take the tree's tokens and the verifier's logits at the *scored* nodes
+(those with children: only their distributions decide acceptance), addressed through `row_of_node`; a candidate
+path is a row of the tree's retrieve indices (root -> leaf, -1 padded). A step's accepted nodes are a chain from
+the root; its length is the step's accepted length (the root counts as the bonus token the base model always
+contributes). No model inside.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 import zlib
 
 import torch
 
-from entmtp_ray.config import TYPICAL_ALPHA, TYPICAL_EPSILON
+from entmtp_ray.config import TYPICAL_ALPHA, TYPICAL_EPSILON, DecodingConfig
+from entmtp_ray.decode.results import Accepted, Request
+from entmtp_ray.decode.verify import Verified, verifier_stat
 
+
+def accept(request: Request, verified: Verified) -> Accepted:
+    """The step's accepted path and the token after it (the request's next root), under the request's rule."""
+    if not verified.buffers.children[0]:  # the one-node tree drafted nothing: the root alone, no rule to run
+        zero = torch.zeros(1, dtype=torch.long, device=verified.tokens.device)
+        return _along(request, verified, zero, zero)
+    cfg = request.cfg
+    return RULES["greedy" if cfg.temperature <= 0 else cfg.acceptance](request, verified)
+
+
+def greedy(request: Request, verified: Verified) -> Accepted:
+    """Greedy acceptance: the longest path whose every token is the verifier's argmax after its parent."""
+    buffers = verified.buffers
+    return _along(request, verified, *greedy_path(verified.tokens, verified.logits[:buffers.num_scored],
+                                                  buffers.row_of_node, buffers.retrieve_indices))
+
+
+def typical(request: Request, verified: Verified) -> Accepted:
+    """Typical acceptance at the request's temperature, epsilon and alpha (typical_path)."""
+    cfg, buffers = request.cfg, verified.buffers
+    return _along(request, verified, *typical_path(verified.tokens, verified.logits[:buffers.num_scored],
+                                                   buffers.row_of_node, buffers.retrieve_indices, cfg.temperature,
+                                                   cfg.typical_epsilon, cfg.typical_alpha))
+
+
+def exact(request: Request, verified: Verified) -> Accepted:
+    """Exact acceptance: the walk down the tree on the host (exact_accept's read-back) over the distribution
+    --top-p/--top-k warp at T (given as T=1 logits), then the token after its path sampled from the last node's
+    distribution, or from its residual where every child was rejected, read back with the path's tokens."""
+    cfg, buffers, tokens = request.cfg, verified.buffers, verified.tokens
+    warped = warp(verified.logits[:buffers.num_scored], cfg.temperature, cfg.top_p, cfg.top_k)
+    path, rejected = exact_accept(tokens, warped, buffers.row_of_node, buffers.children, 1.0, request.generator)
+    last = path[-1]
+    chain = buffers.chains[last]  # the walk's path: the nodes root..last
+    logits = warp(_logits_at(request, verified, last), cfg.temperature, cfg.top_p, cfg.top_k)  # [V]
+    if rejected:  # every child of `last` was tried and rejected: sample from the residual
+        logits = logits.index_fill(0, tokens[buffers.child_nodes[last]], float("-inf"))
+    parts = {"next": sample_token(logits, 1.0, request.generator), "tokens": tokens[chain]}
+    if request.logits_stat is not None:
+        parts["stats"] = _path_stats(request.logits_stat, request, verified, chain)
+    got = read_back(parts)
+    return Accepted(chain, path, [int(t) for t in got["tokens"]], int(got["next"][0]), got.get("stats", []))
+
+
+RULES = {"greedy": greedy, "typical": typical, "exact": exact}
+
+
+def _along(request: Request, verified: Verified, best: torch.Tensor, length: torch.Tensor) -> Accepted:
+    """The path a path rule chose (row `best` of the retrieve indices, `length` drafts on it, each [1] on the
+    device) with its tokens, the token after it and the traced statistic at its nodes, read back once. The token
+    after is computed with them when the last node has logits, which is right but for a leaf without them and free
+    at T=0; under sampling it would spend the generator's draws, so only when surely right (leaf logits). A last
+    node without logits costs a second read-back: its logits, the token after it and its statistic."""
+    cfg, buffers, tokens, stat = request.cfg, verified.buffers, verified.tokens, request.logits_stat
+    path = buffers.retrieve_indices.index_select(0, best)[0]  # [depth + 1], -1 padded after the leaf
+    nodes = path.clamp(min=0)
+    last_row = buffers.row_of_node[nodes].index_select(0, length)  # [1]; -1: the last node has no logits
+    guess = buffers.leaf_logits or cfg.temperature <= 0
+    parts = {"length": length, "nodes": nodes, "tokens": tokens[nodes]}
+    if guess:
+        parts["next"] = sample_next(cfg, verified.logits.index_select(0, last_row.clamp(min=0))[0], request.generator)
+    if stat is not None:
+        parts["stats"] = _path_stats(stat, request, verified, nodes)
+    got = read_back(parts)  # the step's one read-back
+    a = int(got["length"][0]) + 1
+    node_ids = [int(i) for i in got["nodes"][:a]]
+    accepted = [int(t) for t in got["tokens"][:a]]
+    stats = got.get("stats", [])
+    last = node_ids[-1]
+    if guess and buffers.node_rows[last] >= 0:
+        return Accepted(path[:a], node_ids, accepted, int(got["next"][0]), stats[:a])
+    logits = _logits_at(request, verified, last)
+    more = {"next": sample_next(cfg, logits, request.generator)}
+    if stat is not None:
+        more["stats"] = verifier_stat(stat, logits[None])
+    after = read_back(more)
+    return Accepted(path[:a], node_ids, accepted, int(after["next"][0]),
+                    stats[:a - 1] + after["stats"] if stat is not None else [])
+
+
+def _logits_at(request: Request, verified: Verified, node: int) -> torch.Tensor:
+    """The verifier logits ([V]) after `node`: its row, or a projection of its hidden state when it has none."""
+    row = verified.buffers.node_rows[node]
+    return verified.logits[row] if row >= 0 else request.plan.lm_head(verified.hidden[node])
+
+
+def _path_stats(stat: str, request: Request, verified: Verified, nodes: torch.Tensor) -> torch.Tensor:
+    """The statistic at each of `nodes` ([k] on the device) that has logits (garbage at the others); its
+    time counts as scheduling (on CUDA: the time to queue it)."""
+    start = time.perf_counter()
+    rows = verified.buffers.row_of_node[nodes].clamp(min=0)
+    values = verifier_stat(stat, verified.logits.index_select(0, rows))
+    request.schedule_s += time.perf_counter() - start
+    return values
+
+
+def sample_next(cfg: DecodingConfig, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token ([1] on the device) from the verifier's logits ([V]): the argmax at T=0, else a sample of
+    the distribution at T warped by --top-p/--top-k."""
+    if cfg.temperature <= 0:
+        return sample_token(logits, 0.0, None)
+    return sample_token(warp(logits, cfg.temperature, cfg.top_p, cfg.top_k), 1.0, generator)
+
+
+def read_back(parts: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Device tensors, read back to the host in one synchronisation, by name (as float64: token ids and node
+    indices below 2**53 come back exact)."""
+    flat = [p.reshape(-1) for p in parts.values()]
+    values = torch.cat([p.double() for p in flat]).tolist()
+    got, start = {}, 0
+    for name, part in zip(parts, flat):
+        got[name], start = values[start:start + part.numel()], start + part.numel()
+    return got
+
+
+# ---- the rules on tensors: no model, no host synchronisation (but exact_accept's one read-back) ----------------
 
 def greedy_up_to_tie(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Whether each token ([...]) is the argmax of its row of logits ([..., V]) up to a float tie.
@@ -64,13 +188,6 @@ def greedy_path(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.T
     return best, lengths.index_select(0, best)
 
 
-def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor,
-                  retrieve: torch.Tensor) -> torch.Tensor:
-    """greedy_path's accepted node indices [a], root first (reads the length back to the host)."""
-    best, length = greedy_path(tokens, logits, row_of_node, retrieve)
-    return retrieve[int(best), : int(length) + 1]
-
-
 def typical_path(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor, retrieve: torch.Tensor,
                  temperature: float, epsilon: float = TYPICAL_EPSILON,
                  alpha: float = TYPICAL_ALPHA) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,13 +212,6 @@ def typical_path(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.
     score = torch.where(lengths == lengths.max(), score, -float("inf"))  # nothing accepted: every path ties, row 0
     best = score.argmax().view(1)
     return best, lengths.index_select(0, best)
-
-
-def typical_accept(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor, retrieve: torch.Tensor,
-                   temperature: float, epsilon: float = TYPICAL_EPSILON, alpha: float = TYPICAL_ALPHA) -> torch.Tensor:
-    """typical_path's accepted node indices [a], root first (reads the length back to the host)."""
-    best, length = typical_path(tokens, logits, row_of_node, retrieve, temperature, epsilon, alpha)
-    return retrieve[int(best), : int(length) + 1]
 
 
 def exact_draws(tokens: torch.Tensor, logits: torch.Tensor, row_of_node: torch.Tensor, parent_of: torch.Tensor,
@@ -208,11 +318,6 @@ def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     q = torch.empty_like(probs).exponential_(1, generator=generator)
     return argmax_rows(probs / q).view(1)
-
-
-def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """sample_token, read back to the host."""
-    return int(sample_token(logits, temperature, generator))
 
 
 def row_generator(seed: int, row_id: str, device) -> torch.Generator:

@@ -6,7 +6,7 @@ about Ray or Parquet; the policy decides the tree, acceptance decides the path. 
 named methods over one `Request` (the state of a generation in flight) and returns its StepTrace,
 whose `seconds` holds each phase's wall time when the caller asks for a profile. The phases' parts live in
 their own modules: drafting.py (the drafter), verify.py (the verify seam and its dynamic path; static.py its
-static one), accepting.py (the accepted path, read back), results.py (the request, traces and result).
+static one), acceptance.py (the accepted path under each rule, read back), results.py (the request, traces and result).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import torch
 
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.accepting import accept, sample_next
+from entmtp_ray.decode.acceptance import accept, sample_next
 from entmtp_ray.decode.drafting import Drafter, NoDrafter
 from entmtp_ray.decode.policy import Policy, Signal, make_signal
 from entmtp_ray.decode.results import (SCHEDULING, Accepted, GenerationResult, PendingStep, PhaseClock, Request,
@@ -206,23 +206,17 @@ class SpecDecoder:
 
     @in_inference_mode
     def step(self, request: Request) -> StepTrace | None:
-        """One draft-verify step of a running request: its trace, or None when the context is full."""
-        pending = self.draft_step(request)
+        """One draft-verify step of a running request, its phases in the algorithm's order: its trace, or None when
+        the context is full. A batch (decode/batch.py) runs the same phases, drafting and verifying its lanes'
+        trees together."""
+        pending = self.choose_step(request)  # choose the tree (the drafter catching up on one-node steps)
         if pending is None:
             return None
-        verified = self.verify(request, pending.buffers, pending.tokens)
+        pending.tokens = self.drafter.draft(pending.buffers, request.root)  # draft its tokens below the root
+        pending.clock.mark("draft")
+        verified = self.verify(request, pending.buffers, pending.tokens)  # one forward over the tree
         pending.clock.mark("verify")
-        return self.finish_step(request, pending, verified)
-
-    @in_inference_mode
-    def draft_step(self, request: Request) -> PendingStep | None:
-        """A step's first phases: choose the tree and draft its tokens below the root (`choose_step`, then the
-        drafter). None, with the request finished, when the context is full."""
-        pending = self.choose_step(request)
-        if pending is not None:
-            pending.tokens = self.drafter.draft(pending.buffers, request.root)  # [n]
-            pending.clock.mark("draft")
-        return pending
+        return self.finish_step(request, pending, verified)  # accept, commit, observe
 
     def choose_step(self, request: Request) -> PendingStep | None:
         """A step's tree (near the end of the context, one node), its tokens not drafted yet. None, with the

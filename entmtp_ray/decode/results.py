@@ -136,7 +136,7 @@ class Accepted:
 
 @dataclass
 class PendingStep:
-    """A step between its drafting and its verify forward (SpecDecoder.draft_step)."""
+    """A step between its choice of tree and its verify forward (SpecDecoder.step, BatchDecoder.step)."""
 
     buffers: TreeBuffers  # the chosen tree
     tokens: torch.Tensor | None  # [n] its drafted tokens, root first (None until drafted)

@@ -115,7 +115,6 @@ class StaticVerifier:
     """The verify forward of each tree on static shapes (hidden states and the logits of its logit nodes),
     replayed from a CUDA graph per tree when `capture`, else run eagerly (the CPU tests)."""
 
-    max_requests = 1  # the verifier's cache is one request's
     WARMUP = 3  # eager runs on a side stream before a capture, as torch.cuda.graphs asks (lazy inits, autotuning)
 
     def __init__(self, model, plan: ModelPlan, cache: StaticKVCache, trees: list[TreeBuffers], capture: bool):

@@ -51,12 +51,6 @@ class Topology:
     def depth(self) -> int:
         return max((len(p) for p in self.paths), default=0)
 
-    def nodes_per_depth(self) -> list[int]:
-        counts = [0] * self.depth
-        for p in self.paths:
-            counts[len(p) - 1] += 1
-        return counts
-
     def to_json(self) -> dict:
         return {"name": self.name, "paths": [list(p) for p in self.paths]}
 

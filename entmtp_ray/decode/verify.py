@@ -49,9 +49,7 @@ class Verified:
 
 
 class Verifier(Protocol):
-    """Scores requests' trees: `max_requests` trees a call at most (None: any number)."""
-
-    max_requests: int | None
+    """Scores requests' trees (the static verifier: one request's, over its own cache)."""
 
     def __call__(self, trees: list[Tree]) -> list[Verified]: ...
 
@@ -61,8 +59,6 @@ class Verifier(Protocol):
 
 class DynamicVerifier:
     """Eager verification over each request's own cache; any number of requests in one forward."""
-
-    max_requests = None
 
     def __init__(self, model):
         self.model = model

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from entmtp_ray.decode.acceptance import argmax_rows, greedy_accept, next_token, typical_accept
+from entmtp_ray.decode.acceptance import argmax_rows
 from entmtp_ray.decode.tree import build_buffers, load_topology, make_topology
+from helpers.rules import greedy_accept, next_token, typical_accept
 
 V = 8
 T = torch.tensor

@@ -23,8 +23,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from entmtp_ray.decode import acceptance as acceptance
-from entmtp_ray.decode import accepting
+from entmtp_ray.decode import acceptance
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.drafting import HydraDrafter
 from entmtp_ray.decode.loop import SpecDecoder
@@ -123,9 +122,12 @@ def test_exact_acceptance_samples_the_base_distribution(tiny, reference):
     assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", load_topology(tree)), "exact"), probs) > ALPHA
 
 
+EXACT_ACCEPT = acceptance.exact_accept  # the rule itself, which the biased samplers below are put in place of
+
+
 def _resample_from_p(tokens, logits, row_of_node, children, temperature, generator):
     """Bias 1: after rejecting every child, sample from p itself instead of the residual."""
-    path, _ = acceptance.exact_accept(tokens, logits, row_of_node, children, temperature, generator)
+    path, _ = EXACT_ACCEPT(tokens, logits, row_of_node, children, temperature, generator)
     return path, []
 
 
@@ -150,7 +152,7 @@ def first_two_tokens_counts(accept, node_logits, tokens, samples: int, seed: int
                             temperature: float = TEMPERATURE) -> dict[tuple, int]:
     """Counts of the first two tokens one tree step emits (the accepted drafts, then the token from
     the last node's residual), over `samples` seeded draws of `accept` (exact_accept's signature)."""
-    from entmtp_ray.decode.acceptance import next_token
+    from helpers.rules import next_token
     from entmtp_ray.decode.tree import build_buffers, make_topology
 
     buffers = build_buffers(make_topology(TREE))
@@ -225,7 +227,7 @@ def test_the_one_step_test_rejects_a_biased_sampler(crafted_step, biased):
 def test_the_test_rejects_a_biased_sampler(tiny, reference, monkeypatch, biased):
     loaded, drafter = tiny
     probs, tree = reference
-    monkeypatch.setattr(accepting, "exact_accept", biased)
+    monkeypatch.setattr(acceptance, "exact_accept", biased)
     assert chi_square_p_value(sample_counts(loaded, drafter, FixedTree("fixed", load_topology(tree)), "exact"), probs) < ALPHA
 
 
@@ -235,7 +237,8 @@ def test_exact_at_a_tiny_temperature_accepts_what_greedy_accepts(seed):
     distribution is one-hot to within exp(-250), so exact acceptance must take greedy's path,
     reject exactly the last node's drafted children (none is the argmax), and the residual's
     sample must be the argmax. (At T=0 the decoder sends exact to greedy, so T=0 proves nothing.)"""
-    from entmtp_ray.decode.acceptance import exact_accept, greedy_accept, next_token
+    from entmtp_ray.decode.acceptance import exact_accept
+    from helpers.rules import greedy_accept, next_token
     from entmtp_ray.decode.tree import build_buffers, make_topology
 
     rng = torch.Generator().manual_seed(seed)
