@@ -235,8 +235,9 @@ class Adaptive:
     T's own mean keeps up with the content.
 
     `homes`: every tree the policy may settle on (the bank's): settle() weighs them at step costs measured where the
-    decoder runs (decode/costs.py) before its first request, and where one emits more than `margin` faster at the
-    bank's accepted lengths than each of the inner policy's trees, the policy runs that one as its star (its
+    decoder runs (decode/costs.py) before its first request, and where one (of near-equals, the fewest nodes)
+    emits more than `margin` faster at the bank's accepted lengths than each of the inner policy's trees, the policy
+    runs that one as its star (its
     switching, chosen at the bank's costs, dropped), with its own fallbacks. The costs then stay as they are, so
     within a job the choice is a function of the request's tokens alone."""
 
@@ -277,10 +278,11 @@ class Adaptive:
         """Tokens a second this request would get from `tree` at its accepted length so far."""
         return self.tau[tree.name] / self.costs[tree.name]
 
-    def settle(self, costs: dict[str, float], tolerance: float = 0.01) -> Topology | None:
+    def settle(self, costs: dict[str, float]) -> Topology | None:
         """Take `costs` (seconds a step, by tree name) for the trees they name, and run as the star the smallest of
-        the homes within `tolerance` of the fastest at the bank's accepted lengths, where it is more than `margin`
-        faster than each of the inner policy's trees; that star (None where the inner policy stays)."""
+        the homes within `margin` of the fastest at the bank's accepted lengths (measured costs vary by a few percent
+        between runs: of near-equals, the fewest nodes), where it is more than `margin` faster than each of the inner
+        policy's trees; that star (None where the inner policy stays)."""
         self.costs.update(costs)
         priced = [t for t in self.homes if t.name in self.costs]
         own = [t for t in self.inner.trees() if t.name in self.costs and t.name in self.prior]
@@ -288,8 +290,8 @@ class Adaptive:
         if not priced or not own:
             return None
         fastest = max(map(self.rate, priced))
-        star = min((t for t in priced if self.rate(t) >= (1 - tolerance) * fastest), key=lambda t: (t.num_nodes,
-                                                                                                    t.name))
+        star = min((t for t in priced if self.rate(t) >= (1 - self.margin) * fastest),
+                   key=lambda t: (t.num_nodes, t.name))
         if star in own or self.rate(star) <= (1 + self.margin) * max(map(self.rate, own)):
             self._place([t for tree in self.inner.trees() for t in fallbacks(tree, priced)])
             return None

@@ -227,12 +227,13 @@ class Stack:
 
 def cost_key(stack: Stack) -> dict:
     """What a step's cost on this machine depends on, naming its cost table (decode/costs.CostTable): the model, its
-    heads and draft vocabulary, the hardware a bank records (the CPU model, or the GPU and its backend; the threads,
-    dtype, weights, activations), and the code: the torch and package versions and, on a CPU, its vector extensions
-    and the C++ kernels' source hash."""
+    heads' shape (not where they lie: two checkouts of one project share a table) and draft vocabulary, the hardware
+    a bank records (the CPU model, or the GPU and its backend; the threads, dtype, weights, activations), and the
+    code: the torch and package versions and, on a CPU, its vector extensions and the C++ kernels' source hash."""
     loaded = stack.loaded
     hardware = current_hardware(loaded.device, loaded.dtype, 1, loaded.quantize, loaded.activations)
-    key = {"model": Path(loaded.name).name, "heads": stack.heads_label, "draft_vocab": stack.draft_vocab_size,
+    heads = stack.drafter.heads.config.model_dump(exclude={"base_model"}) if stack.drafter is not None else None
+    key = {"model": Path(loaded.name).name, "heads": heads, "draft_vocab": stack.draft_vocab_size,
            **hardware.model_dump(exclude={"concurrency"}), "torch": torch.__version__, "package": package_version()}
     if not hardware.on_gpu:
         key["isa"] = cpu_isa()
