@@ -106,11 +106,12 @@ class CostTable:
         keys = {shape_key(t) for t in trees if self.seconds(t) is not None}
         now = keys & self.measured_now
         cached = sorted(self.entries[k]["measured"] for k in keys - now)
-        def trees(n: int) -> str:
+
+        def count(n: int) -> str:
             return f"{n} tree{'s' if n != 1 else ''}"
 
-        parts = ([f"measured now ({trees(len(now))}, {spent:.1f} s)"] if now else []) + (
-            [f"cached from {cached[0][:16].replace('T', ' ')}" + (f" ({trees(len(cached))})" if now else "")]
+        parts = ([f"measured now ({count(len(now))}, {spent:.1f} s)"] if now else []) + (
+            [f"cached from {cached[0][:16].replace('T', ' ')}" + (f" ({count(len(cached))})" if now else "")]
             if cached else [])
         return " and ".join(parts) + (f" in {self.path}" if self.path is not None else " (kept in memory only)")
 

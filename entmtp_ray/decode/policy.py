@@ -237,9 +237,8 @@ class Adaptive:
     `homes`: every tree the policy may settle on (the bank's): settle() weighs them at step costs measured where the
     decoder runs (decode/costs.py) before its first request, and where one (of near-equals, the fewest nodes)
     emits more than `margin` faster at the bank's accepted lengths than each of the inner policy's trees, the policy
-    runs that one as its star (its
-    switching, chosen at the bank's costs, dropped), with its own fallbacks. The costs then stay as they are, so
-    within a job the choice is a function of the request's tokens alone."""
+    runs that one as its star (its switching, chosen at the bank's costs, dropped), with its own fallbacks. The
+    costs then stay as they are, so within a job the choice is a function of the request's tokens alone."""
 
     def __init__(self, inner: Policy, candidates: list[Topology], costs: dict[str, float], tau: dict[str, float],
                  beta: float = 0.9, margin: float = 0.05, probe: int = 16, homes: list[Topology] = ()):

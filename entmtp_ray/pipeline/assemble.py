@@ -205,23 +205,26 @@ class Stack:
         (static.static_capacity), not the model's whole context. A policy that adapts to content gets its bank's
         trees' step costs on this machine (this machine's cost table, measured into it on first use) and settles at
         them (decode/costs.py; the decoder's `costs` says where they came from)."""
-        adapts = isinstance(policy, Adaptive)
-        trees = [*policy.trees(), *(policy.homes if adapts else ())]
-        drafts = any(t.depth > 0 for t in trees)
-        capacity = None if decoding is None else static_capacity(
-            decoding.max_input_tokens, decoding.max_new_tokens, max(t.num_nodes for t in policy.trees()),
-            self.loaded.max_positions)
-        decoder = SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
-        if adapts:  # it weighs its trees at what their steps cost here, not on the bank's machine
-            if self.step_costs is None:
-                self.step_costs = CostTable.open(cost_key(self))
-            before = policy.trees()
-            decoder.costs = measure_costs(decoder, self.step_costs)
-            log.info("%s: %s", policy.name, decoder.costs)
-            if policy.trees() != before:  # settled on another star: its trees' buffers
-                costs, drafts = decoder.costs, any(t.depth > 0 for t in policy.trees())
-                decoder = SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
-                decoder.costs = costs
+        def build(trees: list[Topology]) -> SpecDecoder:
+            capacity = None if decoding is None else static_capacity(
+                decoding.max_input_tokens, decoding.max_new_tokens, max(t.num_nodes for t in policy.trees()),
+                self.loaded.max_positions)
+            drafts = any(t.depth > 0 for t in trees)
+            return SpecDecoder(self.loaded, self.drafter if drafts else None, policy, capacity=capacity)
+
+        if not isinstance(policy, Adaptive):
+            return build(policy.trees())
+        # it weighs its trees at what their steps cost here, not on the bank's machine; the timing decoder drafts
+        # for every tree of the bank it may settle on
+        decoder = build([*policy.trees(), *policy.homes])
+        if self.step_costs is None:
+            self.step_costs = CostTable.open(cost_key(self))
+        before = policy.trees()
+        costs = measure_costs(decoder, self.step_costs)
+        log.info("%s: %s", policy.name, costs)
+        if policy.trees() != before:  # settled on another star: a decoder over its trees
+            decoder = build(policy.trees())
+        decoder.costs = costs
         return decoder
 
 
