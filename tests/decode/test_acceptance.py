@@ -358,3 +358,38 @@ def test_exact_skips_a_repeated_sibling_draft():
     counts = {path: firsts.count(path) / len(firsts) for path in set(firsts)}
     assert set(counts) <= {(0, 1), (0, 3), (0,)}, counts  # the repeat (node 2) is never accepted
     assert counts[(0, 1)] == pytest.approx(0.5, abs=0.03) and counts[(0, 3)] == pytest.approx(0.3, abs=0.03)
+
+
+def test_the_read_back_gives_each_part_by_name():
+    from entmtp_ray.decode.acceptance import read_back
+
+    got = read_back({"length": T([2]), "nodes": T([0, 3, 5]), "stats": torch.tensor([0.25, 1.5])})
+    assert got == {"length": [2.0], "nodes": [0.0, 3.0, 5.0], "stats": [0.25, 1.5]}
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it_and_no_token_past_it():
+    from entmtp_ray.decode.acceptance import warp
+
+    # two equal tokens: the first alone reaches p = 0.5 exactly, so the second is dropped; any p above keeps both
+    assert torch.isinf(warp(torch.zeros(1, 2), 1.0, top_p=0.5)[0, 1])
+    assert not torch.isinf(warp(torch.zeros(1, 2), 1.0, top_p=0.51)).any()
+
+
+def test_a_greedy_step_whose_path_ends_where_logits_are_reads_back_once():
+    """At T=0 the token after the path is computed with it, so a path ending at a node the forward has logits for
+    (a scored one, even without leaf logits) costs the step one read-back, not two."""
+    from types import SimpleNamespace
+
+    from entmtp_ray.config import DecodingConfig
+    from entmtp_ray.decode.acceptance import accept
+    from helpers.readbacks import read_backs
+
+    b = build_buffers(make_topology([[0], [0, 0]]))  # root -> 1 -> 2: the root and node 1 scored, node 2 a leaf
+    logits = torch.zeros(len(b.logit_nodes), V)
+    logits[b.node_rows[0], 3] = logits[b.node_rows[1], 6] = 1.0  # root's argmax is node 1's token; node 1's is not 2's
+    request = SimpleNamespace(cfg=DecodingConfig(policy="fixed"), generator=None, logits_stat=None, plan=None,
+                              schedule_s=0.0)
+    verified = SimpleNamespace(buffers=b, tokens=T([9, 3, 4]), committed=0, hidden=None, logits=logits)
+    with read_backs() as calls:
+        got = accept(request, verified)
+    assert (got.node_ids, got.tokens, got.root) == ([0, 1], [9, 3], 6) and calls == ["tolist"]

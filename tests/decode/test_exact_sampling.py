@@ -344,3 +344,60 @@ def test_typical_acceptance_refuses_top_p_and_top_k():
         with pytest.raises(ValidationError, match="typical acceptance has no definition with --top-p or --top-k"):
             DecodingConfig(temperature=0.7, acceptance="typical", **warping)
     DecodingConfig(temperature=0.0, acceptance="typical", top_k=5)  # no sampling, nothing to warp
+
+
+def _step(node_logits, tokens, stat=None, seed=0):
+    """One crafted tree step as acceptance.accept reads it: the request (exact at TEMPERATURE) and its verify
+    forward (logits at every node: leaf logits)."""
+    from entmtp_ray.decode.tree import build_buffers, make_topology
+
+    buffers = build_buffers(make_topology(TREE), "cpu", leaf_logits=True)
+    cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, acceptance="exact")
+    request = SimpleNamespace(cfg=cfg, generator=torch.Generator().manual_seed(seed), logits_stat=stat,
+                              plan=None, schedule_s=0.0)
+    verified = SimpleNamespace(buffers=buffers, tokens=torch.tensor(tokens), committed=0, hidden=None,
+                               logits=node_logits[buffers.logit_nodes])
+    return request, verified
+
+
+def test_one_exact_step_through_accept_emits_tokens_as_sampling_the_verifier_would(crafted_step):
+    """The product's call (acceptance.accept: the walk over the logits warped at T, then the token after its path
+    sampled from the last node's distribution or its residual), over seeded steps of the crafted tree: its first two
+    tokens follow the verifier's law at T."""
+    node_logits, tokens = crafted_step
+    request, verified = _step(node_logits, tokens)
+    counts: dict[tuple, int] = {}
+    for _ in range(SAMPLES_ONE_STEP):
+        got = acceptance.accept(request, verified)
+        emitted = tuple(got.tokens[1:] + [got.root])[:2]
+        counts[emitted] = counts.get(emitted, 0) + 1
+    law = first_two_tokens_law(node_logits, tokens)
+    assert set(counts) <= set(law)
+    cells = sorted(law)
+    observed = torch.tensor([float(counts.get(c, 0)) for c in cells], dtype=torch.double)
+    assert chi_square_p_value(observed, torch.tensor([law[c] for c in cells], dtype=torch.double)) > ALPHA
+
+
+def test_an_exact_step_reads_the_traced_statistic_at_each_accepted_node(crafted_step):
+    """Under exact acceptance with a traced signal, the step's read-back carries the statistic at every node of its
+    path, beside the path's tokens (each part of the read-back its own, by name)."""
+    from entmtp_ray.decode.verify import verifier_stat
+
+    node_logits, tokens = crafted_step
+    for seed in range(20):
+        request, verified = _step(node_logits, tokens, stat="entropy", seed=seed)
+        got = acceptance.accept(request, verified)
+        assert len(got.tokens) == len(got.node_ids) == len(got.stats) and got.tokens[0] == tokens[0]
+        assert got.tokens == [tokens[n] for n in got.node_ids]
+        want = verifier_stat("entropy", node_logits[got.node_ids]).tolist()
+        assert got.stats == pytest.approx(want, rel=1e-6)
+
+
+def test_the_next_token_at_a_temperature_is_drawn_from_the_verifier_at_it():
+    """sample_next under sampling draws from softmax(logits / T) (no top-p or top-k), as the chi-square says."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
+    cfg = DecodingConfig(policy="fixed", temperature=TEMPERATURE, acceptance="exact")
+    gen = torch.Generator().manual_seed(5)
+    draws = [int(acceptance.sample_next(cfg, logits, gen)) for _ in range(SAMPLES)]
+    counts = torch.bincount(torch.tensor(draws), minlength=VOCAB).double()
+    assert chi_square_p_value(counts, torch.softmax(logits.double() / TEMPERATURE, -1)) > ALPHA
