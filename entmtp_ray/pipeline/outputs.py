@@ -79,8 +79,7 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
             tokens, steps = tokens + batch_tokens, steps + batch_steps
             nodes += pc.sum(ok.column("verified_nodes")).as_py() or 0
             if "tree_usage" in columns:
-                trees = ok.column("tree_usage")
-                usage.append(pa.table({"tree": trees.keys, "steps": trees.items}))
+                usage.append(tree_steps(ok.column("tree_usage")))
             if "num_accepted_tokens" in columns:
                 accepted += pc.sum(ok.column("num_accepted_tokens")).as_py() or 0
             else:  # each step's tokens but its bonus, each row's but its prefill's
@@ -114,6 +113,13 @@ def summarize(output: str | Location, started: float, input_rows: int, expected_
         "first_row_s": first_row_end - started if first_row_end is not None else None,  # job start -> first row
         "output": location.uri if not location.is_local else os.path.abspath(location.path),
     }
+
+
+def tree_steps(usage: pa.Array) -> pa.Table:
+    """The (tree, steps) entries of rows' tree_usage maps, as a table; through a list of structs, since a map
+    array's `keys` and `items` are its whole buffers, also where the array is a slice of them."""
+    entries = usage.cast(pa.list_(pa.struct([usage.type.key_field, usage.type.item_field]))).flatten()
+    return pa.table({"tree": entries.field(0), "steps": entries.field(1)})
 
 
 def _tree_usage(parts: list[pa.Table]) -> dict[str, int]:

@@ -175,6 +175,10 @@ def test_summary_figures_from_what_was_written(tmp_path):
     assert (two["num_accepted_tokens"], two["duplicates"], two["expected_rows"]) == (11, 0, 3)
     assert two["tree_usage"] == {"t1": 5, "t2": 3} and list(two["tree_usage"]) == ["t1", "t2"]
     assert summary["tree_usage"] == {}  # an output written before the column
+    from entmtp_ray.pipeline.outputs import tree_steps
+
+    maps = pa.array([[("t1", 1)], [("t2", 2), ("t1", 3)], None, [("t3", 4)]], pa.map_(pa.string(), pa.int64()))
+    assert tree_steps(maps.slice(1, 2)).to_pylist() == [{"tree": "t2", "steps": 2}, {"tree": "t1", "steps": 3}]
     empty = summarize(str(tmp_path / "none"), started=0.0, input_rows=0)
     assert (empty["rows"], empty["output_tokens"], empty["mean_accepted_length"]) == (0, 0, None)
     assert empty["acceptance_rate"] is None
