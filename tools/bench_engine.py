@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from entmtp_ray.calibrate.bank import bank_policy, load_bank
+from entmtp_ray.calibrate.bank import build_policy, load_bank
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.results import PHASES
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     if args.tree_costs:
         return tree_costs(stack, prompts[0], args.llama_cpp, args.repeats)
     if args.attention_costs:
-        policy = bank_policy(DecodingConfig(policy="entmtp-tau"), bank) if bank else None
+        policy = build_policy(DecodingConfig(policy="entmtp-tau"), bank) if bank else None
         return attention_costs(stack, prompts, args.repeats, policy, args.max_new_tokens)
     if args.quantize:
         trees = {name: bank.topology(name) if name in names else load_topology(name) for name in args.trees}

@@ -19,15 +19,16 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from entmtp_ray.decode.acceptance import greedy_up_to_tie
+from entmtp_ray.calibrate.bank import build_policy
 from entmtp_ray.config import DecodingConfig
+from entmtp_ray.decode.acceptance import greedy_up_to_tie
 from entmtp_ray.decode.acceptance import row_generator
 from entmtp_ray.decode.results import GenerationResult, StepTrace
 from entmtp_ray.model.kernels import linear, prepare
 from entmtp_ray.model.kv_cache import KVCache
 from entmtp_ray.model.llama import forward_hidden
 from entmtp_ray.model.loading import LoadedModel, embedded_source, synchronize
-from entmtp_ray.pipeline.assemble import BANK_POLICIES, Stack, policy_for
+from entmtp_ray.pipeline.assemble import BANK_POLICIES, Stack
 from entmtp_ray.pipeline.records import OUTPUT_SCHEMA, RowContext, error_row, result_row
 
 POLICIES = ("ar", "hydra", "medusa", "entmtp-star", "entmtp-ladder", "entmtp-tau")
@@ -200,17 +201,19 @@ class Bench:
         `unadapted`: each entmtp policy also without adapting to the content (--no-adapt), as `NAME@unadapted`."""
         loaded = stack.loaded
         self.labels = {"model": model_label, "heads": stack.heads_label, "bank": bank_label}
-        self.decoders = {name: stack.decoder(policy_for(DecodingConfig(policy=name, task=task), bank))
+        self.decoders = {name: stack.decoder(build_policy(DecodingConfig(policy=name, task=task), bank))
                          for name in systems if name in POLICIES}
         self.bank_labels = {name: bank_label for name in systems if name in BANK_POLICIES}
         for name in [s for s in systems if s in BANK_POLICIES] if unadapted else []:
             plain = f"{name}@unadapted"
-            self.decoders[plain] = stack.decoder(policy_for(DecodingConfig(policy=name, task=task, adapt=False), bank))
+            as_given = DecodingConfig(policy=name, task=task, adapt=False)
+            self.decoders[plain] = stack.decoder(build_policy(as_given, bank))
             self.bank_labels[plain] = bank_label
             systems = [*systems, plain]
         for other, (other_bank, label) in (other_banks or {}).items():
             name = f"entmtp-tau@{other}"
-            self.decoders[name] = stack.decoder(policy_for(DecodingConfig(policy="entmtp-tau", task=task), other_bank))
+            self.decoders[name] = stack.decoder(build_policy(DecodingConfig(policy="entmtp-tau", task=task),
+                                                             other_bank))
             self.bank_labels[name] = label
             systems = [*systems, name]
         self.loaded, self.systems, self.task = loaded, systems, task

@@ -16,8 +16,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from entmtp_ray.assets import shipped_bank, shipped_bank_variants
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.policy import (SIGNALS, Adaptive, FixedTree, HysteresisPolicy, LadderPolicy, Policy,
-                                      fallbacks, make_signal)
+from entmtp_ray.decode.policy import (POLICIES, SIGNALS, Adaptive, FixedTree, HysteresisPolicy, LadderPolicy,
+                                      Policy, fallbacks, make_signal)
 from entmtp_ray.decode.tree import Topology, make_topology
 from entmtp_ray.model.loading import machine_name
 
@@ -340,15 +340,21 @@ def _hysteresis(cfg: DecodingConfig, bank: Bank) -> HysteresisPolicy:
 BANK_POLICIES = {"entmtp-star": _star, "entmtp-ladder": _ladder, "entmtp-tau": _hysteresis}
 
 
-def bank_policy(cfg: DecodingConfig, bank: Bank) -> Policy:
-    """The EntMTP policy named by cfg.policy, with its trees and thresholds from `bank`; with cfg.adapt, one that
-    falls back to smaller trees of the bank where a request's acceptance says they emit faster (`adaptive`)."""
-    if cfg.policy not in BANK_POLICIES:
-        raise ValueError(f"policy '{cfg.policy}' reads no bank; the bank policies are {sorted(BANK_POLICIES)}")
-    if cfg.tree:
+def build_policy(cfg: DecodingConfig, bank: Bank | None = None) -> Policy:
+    """The one registry: the policy cfg.policy names, built without a bank (decode.policy.POLICIES: AR, Hydra's and
+    Medusa's trees, --tree) or with its trees and thresholds from `bank` (BANK_POLICIES); with cfg.adapt an EntMTP
+    policy falls back to smaller trees of the bank where a request's acceptance says they emit faster (`adaptive`).
+    (`auto` is the resolver's choice of one of these: pipeline/assemble.resolve_policy.)"""
+    if cfg.tree and cfg.policy != "fixed":
         raise ValueError(f"--tree applies to --policy fixed only (got --policy {cfg.policy})")
-    policy = BANK_POLICIES[cfg.policy](cfg, bank)
-    return adaptive(policy, bank) if cfg.adapt else policy
+    if cfg.policy in BANK_POLICIES:
+        if bank is None:
+            raise ValueError(f"--policy {cfg.policy} needs a topology bank (--task or --bank)")
+        policy = BANK_POLICIES[cfg.policy](cfg, bank)
+        return adaptive(policy, bank) if cfg.adapt else policy
+    if cfg.policy not in POLICIES:
+        raise ValueError(f"unknown policy '{cfg.policy}'; choose one of {sorted(['auto', *POLICIES, *BANK_POLICIES])}")
+    return POLICIES[cfg.policy](cfg)
 
 
 def step_costs(bank: Bank) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Tree-choosing policies behind one method, and the scheduling signals they read. No model or
-tensor maths here, and no bank: the EntMTP policies are built from a bank by calibrate/bank.py.
+tensor maths here, and no bank: calibrate.bank.build_policy builds every policy by name, the EntMTP ones from a
+bank.
 
 A policy names every tree it may use up front (so their buffers are built once, at load),
 picks one tree per step with `choose()`, and sees each finished step through `observe()`.
@@ -326,17 +327,10 @@ def _fixed(cfg: DecodingConfig) -> FixedTree:
     return FixedTree("fixed", load_topology(cfg.tree))
 
 
+# the policies built without a bank, by name (calibrate.bank.build_policy builds these and the EntMTP ones)
 POLICIES = {
     "ar": lambda cfg: FixedTree("ar", load_topology("ar")),
     "hydra": lambda cfg: FixedTree("hydra", load_topology("hydra")),
     "medusa": lambda cfg: FixedTree("medusa", load_topology("medusa")),
     "fixed": _fixed,
 }
-def make_policy(cfg: DecodingConfig) -> Policy:
-    """The policy named by cfg.policy, for the policies that need no bank (the EntMTP ones are built from
-    a bank by calibrate.bank.bank_policy; pipeline.assemble.policy_for picks between the two)."""
-    if cfg.policy not in POLICIES:
-        raise ValueError(f"policy '{cfg.policy}' is not one of the bank-free policies {sorted(POLICIES)}")
-    if cfg.tree and cfg.policy != "fixed":
-        raise ValueError(f"--tree applies to --policy fixed only (got --policy {cfg.policy})")
-    return POLICIES[cfg.policy](cfg)

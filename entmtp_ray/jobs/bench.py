@@ -42,7 +42,8 @@ from entmtp_ray.calibrate.bank import (current_hardware, load_bank, resolve_bank
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL, DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.loading import available_depth, draft_vocab_for
-from entmtp_ray.pipeline.assemble import AUTO_BANK, BANK_POLICIES, actors_here, load_stack, policy_for, resolve_policy
+from entmtp_ray.calibrate.bank import build_policy
+from entmtp_ray.pipeline.assemble import AUTO_BANK, BANK_POLICIES, actors_here, load_stack, resolve_policy
 from entmtp_ray.pipeline.engine import encode_checked
 from entmtp_ray.pipeline.tasks import load_prompts
 
@@ -262,11 +263,11 @@ def throughput_main(args) -> int:
     for system in systems:
         for k in ks:
             if system == "ar":
-                decoders[system, k] = decoders.get(("ar", ks[0])) or stack.decoder(policy_for(cfg.model_copy(
+                decoders[system, k] = decoders.get(("ar", ks[0])) or stack.decoder(build_policy(cfg.model_copy(
                     update={"policy": "ar"}), None))
             elif system in THROUGHPUT_OURS:
                 bank, label = banks[k]
-                decoders[system, k] = stack.decoder(policy_for(cfg.model_copy(update={"policy": system}), bank))
+                decoders[system, k] = stack.decoder(build_policy(cfg.model_copy(update={"policy": system}), bank))
                 used[f"{system} K={k}"] = str(label)
                 if bank.hardware.concurrency != k:
                     print(f"note: {system} at K={k} runs bank {label}, timed at K={bank.hardware.concurrency}; "

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from entmtp_ray.assets import shipped_bank
-from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, bank_policy, current_hardware, default_bank_path,
+from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, build_policy, current_hardware, default_bank_path,
                                        load_bank, resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.costs import CostTable, measure_costs
 from entmtp_ray.decode.drafting import HydraDrafter
 from entmtp_ray.decode.loop import SpecDecoder
-from entmtp_ray.decode.policy import POLICIES, Adaptive, Policy, make_policy
+from entmtp_ray.decode.policy import Adaptive, Policy
 from entmtp_ray.decode.static import static_capacity
 from entmtp_ray.decode.tree import Topology, make_topology
 from entmtp_ray.model.loading import (LoadedModel, available_depth, check_model_source, check_quantization,
@@ -32,7 +32,6 @@ from entmtp_ray.model.products import native_expected
 log = logging.getLogger(__name__)
 
 AUTO = "auto"  # the default policy: resolve_policy
-ALL_POLICIES = sorted([AUTO, *POLICIES, *BANK_POLICIES])
 # the bank a run without --task reads: calibrated on an even mix of the three tasks' tune prompts, which ran at
 # least as fast as ShareGPT's bank on every task's held-out prompts (docs/measurements.md, "The general bank")
 GENERAL_BANK_TASK = "general"
@@ -54,17 +53,6 @@ class Plan:
     bank_label: str | None = None  # where the bank came from, for output rows
     calibrate: bool = False  # --bank auto with no calibrated bank yet: `decoding` is the fallback until one is
     source: str = ""  # why this policy and bank, in a line, for the job's summary
-
-
-def policy_for(decoding: DecodingConfig, bank: Bank | None) -> Policy:
-    """The policy named by decoding.policy; the entmtp ones take their trees and thresholds from `bank`."""
-    if decoding.policy in BANK_POLICIES:
-        if bank is None:
-            raise ValueError(f"--policy {decoding.policy} needs a topology bank (--task or --bank)")
-        return bank_policy(decoding, bank)
-    if decoding.policy not in POLICIES:
-        raise ValueError(f"unknown policy '{decoding.policy}'; choose one of {ALL_POLICIES}")
-    return make_policy(decoding)
 
 
 def actors_here(model_cfg: ModelConfig, concurrency: int = 1, on_gpu: bool | None = None) -> Actors:
@@ -172,7 +160,7 @@ def resolve(model_cfg: ModelConfig, decoding: DecodingConfig, actors: Actors | N
                 make_topology(tree.paths, tree.name, max_depth=depth)  # a bank from other heads names the fix
     else:
         bank = bank_label = None
-    policy = policy_for(running, bank)
+    policy = build_policy(running, bank)
     needs_heads = calibrate or any(t.depth > 0 for t in policy.trees())  # an auto bank's calibration drafts
     if needs_heads:
         depth = depth if depth is not None else available_depth(model_cfg.model, model_cfg.heads)

@@ -148,7 +148,7 @@ def test_attention_costs_time_sdpa_and_the_fixed_order_attention_side_by_side(ti
     """--attention-costs: a row per prefix and attention, a JSON line with both; with a bank, its entmtp-tau's
     decodes with each attention, the fixed-order one equal to AR's; refused (exit 2) where the fixed-order
     attention does not serve the forward (kernel not built or switched off)."""
-    from entmtp_ray.calibrate.bank import bank_policy, load_bank
+    from entmtp_ray.calibrate.bank import build_policy, load_bank
     from entmtp_ray.config import DecodingConfig, ModelConfig
     from entmtp_ray.model.attention import fixed_order_ready, sdpa_only
     from entmtp_ray.pipeline.assemble import load_stack
@@ -157,7 +157,7 @@ def test_attention_costs_time_sdpa_and_the_fixed_order_attention_side_by_side(ti
         pytest.skip("the fixed-order attention kernel could not be built")
     model, heads = (str(d) for d in tiny_model_dirs)
     stack = load_stack(ModelConfig(model=model, heads=heads, dtype="bf16", device="cpu"), with_heads=True)
-    policy = bank_policy(DecodingConfig(policy="entmtp-tau"), load_bank(shipped_bank("smollm2-135m-instruct",
+    policy = build_policy(DecodingConfig(policy="entmtp-tau"), load_bank(shipped_bank("smollm2-135m-instruct",
                                                                                       "general")))
     prompts = [stack.loaded.encode_prompt("Hello there"), stack.loaded.encode_prompt("Hello there, " * 20)]
     assert bench_engine.attention_costs(stack, prompts, 1, policy, max_new_tokens=12) == 0

@@ -140,7 +140,7 @@ def test_bank_consistency_checks_name_what_is_wrong(tmp_path):
 
 def test_bank_policies_by_name_and_signal_flag():
     from entmtp_ray.config import DecodingConfig
-    from entmtp_ray.pipeline.assemble import policy_for as make_policy
+    from entmtp_ray.calibrate.bank import build_policy as make_policy
 
     bank = make_bank()
     star = make_policy(DecodingConfig(policy="entmtp-star"), bank)
@@ -158,7 +158,7 @@ def test_bank_policies_by_name_and_signal_flag():
 def test_bank_policies_adapt_among_the_banks_smaller_trees_unless_told_not_to():
     from entmtp_ray.config import DecodingConfig
     from entmtp_ray.decode.policy import Adaptive, FixedTree
-    from entmtp_ray.pipeline.assemble import policy_for as make_policy
+    from entmtp_ray.calibrate.bank import build_policy as make_policy
 
     bank = make_bank()
     star = make_policy(DecodingConfig(policy="entmtp-star"), bank)

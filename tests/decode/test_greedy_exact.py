@@ -160,7 +160,7 @@ def test_entmtp_policies_with_shipped_banks_are_greedy(loaded, task):
     (Switching mid-generation is checked against greedy in test_decode_oracle.py with policies made to switch.)"""
     from entmtp_ray.assets import shipped_bank_variants
     from entmtp_ray.calibrate.bank import load_bank
-    from entmtp_ray.pipeline.assemble import policy_for
+    from entmtp_ray.calibrate.bank import build_policy
 
     drafter = HydraDrafter(load_model_heads(loaded, None), loaded.model, draft_vocab_for(loaded.name, None, None))
     variants = shipped_bank_variants(loaded.name, task)
@@ -175,7 +175,7 @@ def test_entmtp_policies_with_shipped_banks_are_greedy(loaded, task):
             k += 1
             cfg = DecodingConfig(policy=policy_name, task=task, signal=signal, max_new_tokens=MAX_NEW)
             ids = loaded.encode_prompt(PROMPTS[k % len(PROMPTS)])
-            result = SpecDecoder(loaded, drafter, policy_for(cfg, bank)).generate(ids, cfg)
+            result = SpecDecoder(loaded, drafter, build_policy(cfg, bank)).generate(ids, cfg)
             assert_greedy(loaded, ids, result.output_token_ids, f"{path} {policy_name} {signal} prompt {k}")
 
 
