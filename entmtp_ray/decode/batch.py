@@ -26,6 +26,8 @@ from entmtp_ray.decode.loop import SpecDecoder, in_inference_mode
 from entmtp_ray.decode.results import GenerationResult, PendingStep, Request
 from entmtp_ray.decode.verify import Tree, Verified
 
+_END = object()  # the end of a run's jobs (a live source yields None for "none now")
+
 
 @dataclass
 class Job:
@@ -131,16 +133,21 @@ class BatchDecoder:
                 done.append((flight.job, self._leave(slot)))
         return done
 
-    def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Job, GenerationResult | BaseException]]:
+    def run(self, jobs: Iterable[Job | None]) -> Iterator[tuple[Job, GenerationResult | BaseException]]:
         """Decode every job, keeping up to `slots` in flight; yields each (job, result or exception) as it
-        finishes, so the order follows the finishing, not the input."""
+        finishes, so the order follows the finishing, not the input. `jobs` may be a live source (the serving
+        loop's queue, engine.Batcher): it yields None when no job waits now, and the batch steps on and asks again
+        (it should block rather than yield None while nothing runs); the run ends when `jobs` ends and nothing
+        runs."""
         source = iter(jobs)
         exhausted = False
         while True:
             while not exhausted and self.running < self.slots:
-                job = next(source, None)
-                if job is None:
+                job = next(source, _END)
+                if job is _END:
                     exhausted = True
+                    break
+                if job is None:  # nothing waits now
                     break
                 try:
                     early = self.admit(job)
@@ -149,9 +156,10 @@ class BatchDecoder:
                     continue
                 if early is not None:
                     yield job, early
-            if not self.running:
+            if self.running:
+                yield from self.step()
+            elif exhausted:
                 return
-            yield from self.step()
 
     def _verify(self, pending: list[tuple[int, PendingStep]]) -> list[Verified]:
         """Every pending tree scored in one call of the lanes' verifier (one forward of the base model)."""

@@ -132,25 +132,22 @@ class Batcher:
             raise
 
     def _loop(self) -> None:
+        """The batch's run over the submitted jobs: a free lane takes a waiting job, and the loop waits for one
+        only when none is running."""
         batch = self.batch
-        while True:
-            while batch.running < batch.slots:  # fill the free lanes; wait only when none is running
+
+        def waiting():
+            while True:
                 try:
-                    job = self.jobs.get(block=not batch.running)
+                    yield self.jobs.get(block=not batch.running)
                 except queue.Empty:
-                    break
-                try:
-                    early = batch.admit(job)
-                except BaseException as exc:  # noqa: BLE001 - the caller's row, as the caller would have met it
-                    job.tag.set_exception(exc)
-                    continue
-                if early is not None:
-                    job.tag.set_result(early)
-            for job, result in batch.step():
-                if isinstance(result, BaseException):
-                    job.tag.set_exception(result)
-                else:
-                    job.tag.set_result(result)
+                    yield None
+
+        for job, result in batch.run(waiting()):
+            if isinstance(result, BaseException):
+                job.tag.set_exception(result)
+            else:
+                job.tag.set_result(result)
 
 
 @dataclass
