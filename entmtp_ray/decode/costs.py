@@ -10,12 +10,14 @@ that needs it, and every later one reads it."""
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from filelock import FileLock
 
 from entmtp_ray.config import DecodingConfig
 from entmtp_ray.decode.loop import SpecDecoder
-from entmtp_ray.decode.policy import Adaptive, FixedTree
+from entmtp_ray.decode.policy import Adaptive, FixedTree, Policy
 from entmtp_ray.decode.static import positions_needed
 from entmtp_ray.decode.tree import Topology
 from entmtp_ray.model.loading import cache_dir, synchronize
@@ -144,14 +146,15 @@ def step_seconds(decoder: SpecDecoder, trees: list[Topology], steps: int = 12, r
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
-def price(decoder: SpecDecoder, trees: list[Topology], tau: dict[str, float], table: CostTable,
+def price(timer: Callable[[], SpecDecoder], trees: list[Topology], tau: dict[str, float], table: CostTable,
           steps: int = 12, rounds: int = 3, batch: int = 4) -> dict[str, float]:
-    """Seconds a step of each of `trees` through `decoder`, from `table` where it has them; the others that may be
-    chosen timed here and added to it. First roughly (2 steps, one round), `batch` trees at a time from the fewest
+    """Seconds a step of each of `trees`, from `table` where it has them; the others that may be chosen timed
+    through the decoder `timer` builds (only when one is to be timed) and added to the table. First roughly (2 steps, one round), `batch` trees at a time from the fewest
     nodes up, leaving out a tree that could not come within CONTENDER of the fastest tokens a second (`tau[name]`
     tokens a step) even at the cost of the dearest smaller tree plus half the growth a node the known trees show
     beyond it (a step costs more with more nodes); then again with `steps` and `rounds`, those within CONTENDER of
     the fastest and the one-node tree every adaptive policy falls back to. Trees left out get no cost."""
+    decoder = functools.cache(timer)
     costs = {t.name: table.seconds(t) for t in trees if table.seconds(t) is not None}
     missing = sorted((t for t in dict.fromkeys(trees) if t.name not in costs), key=lambda t: t.num_nodes)
 
@@ -170,32 +173,31 @@ def price(decoder: SpecDecoder, trees: list[Topology], tau: dict[str, float], ta
     while missing:
         now = [t for t in missing[:batch] if not hopeless(t)]
         missing = [t for t in missing[batch:] if not hopeless(t)]
-        timed = step_seconds(decoder, now, steps=2, rounds=1) if now else {}
+        timed = step_seconds(decoder(), now, steps=2, rounds=1) if now else {}
         rough.update(timed)
         costs.update(timed)
     if rough:
         fastest = max(tau.get(name, 1.0) / s for name, s in costs.items())
         again = [t for t in trees if t.name in rough and
                  (tau.get(t.name, 1.0) / rough[t.name] >= CONTENDER * fastest or t.num_nodes == 1)]
-        precise = step_seconds(decoder, again, steps, rounds) if again else {}
+        precise = step_seconds(decoder(), again, steps, rounds) if again else {}
         table.add({t: (precise[t.name], steps * rounds) if t.name in precise else (rough[t.name], 2)
                    for t in trees if t.name in rough})
     return {t.name: table.seconds(t) for t in trees if table.seconds(t) is not None}
 
 
-def measure_costs(decoder: SpecDecoder, table: CostTable | None = None) -> str | None:
-    """Where the decoder's policy adapts to content: the step costs of its trees and of every tree it may settle on
-    (its bank's) put in place of its bank's, from `table` or measured through `decoder` into it (price), the policy
-    settled at those costs (Adaptive.settle: it may run another star, whose trees the caller then builds), and a
-    line saying where the costs came from; None for any other policy."""
-    policy = decoder.policy
+def measure_costs(policy: Policy, timer: Callable[[], SpecDecoder], table: CostTable | None = None) -> str | None:
+    """Where `policy` adapts to content: the step costs of its trees and of every tree it may settle on (its
+    bank's) put in place of its bank's, from `table` or measured into it through the decoder `timer` builds (price:
+    only when a tree is to be timed), the policy settled at those costs (Adaptive.settle: it may run another star,
+    whose trees the caller then builds), and a line saying where the costs came from; None for any other policy."""
     if not isinstance(policy, Adaptive):
         return None
     table = table if table is not None else CostTable({}, None)
     trees = [t for t in dict.fromkeys([*policy.trees(), *policy.homes]) if t.name in policy.costs]
     before = policy.inner.trees()
     started = time.perf_counter()
-    costs = price(decoder, trees, policy.prior, table)
+    costs = price(timer, trees, policy.prior, table)
     spent = time.perf_counter() - started
     star = policy.settle(costs)
     ran = sorted(policy.trees(), key=lambda t: costs.get(t.name, 0.0))

@@ -202,16 +202,13 @@ class Stack:
 
         if not isinstance(policy, Adaptive):
             return build(policy.trees())
-        # it weighs its trees at what their steps cost here, not on the bank's machine; the timing decoder drafts
-        # for every tree of the bank it may settle on
-        decoder = build([*policy.trees(), *policy.homes])
+        # it weighs its trees at what their steps cost here, not on the bank's machine: from this machine's table, or
+        # timed through a decoder that drafts for every tree of the bank it may settle on (built only to time)
         if self.step_costs is None:
             self.step_costs = CostTable.open(cost_key(self))
-        before = policy.trees()
-        costs = measure_costs(decoder, self.step_costs)
+        costs = measure_costs(policy, lambda: build([*policy.trees(), *policy.homes]), self.step_costs)
         log.info("%s: %s", policy.name, costs)
-        if policy.trees() != before:  # settled on another star: a decoder over its trees
-            decoder = build(policy.trees())
+        decoder = build(policy.trees())  # the trees it settled on
         decoder.costs = costs
         return decoder
 

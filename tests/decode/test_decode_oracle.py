@@ -262,16 +262,17 @@ def test_an_adaptive_policys_step_costs_are_measured_where_it_runs_and_kept_for_
     key = {"model": "tiny/llama", "machine": "here", "threads": 1}
     policy = star()
     decoder = decoder_of(policy)
-    line = measure_costs(decoder, CostTable.open(key, tmp_path))
+    line = measure_costs(policy, lambda: decoder, CostTable.open(key, tmp_path))
     assert set(policy.costs) == {"n1", "chain4"} and all(0 < c < 0.5 for c in policy.costs.values())
     path = tmp_path / f"tiny_llama-{CostTable.open(key, tmp_path).path.name.split('-')[-1]}"
     assert line.startswith(f"step costs measured now (2 trees, ") and f" in {path}: " in line and "chain4" in line
     again = star()
-    line = measure_costs(decoder_of(again), CostTable.open(key, tmp_path))
+    line = measure_costs(again, lambda: pytest.fail("timed again"), CostTable.open(key, tmp_path))
     assert line.startswith("step costs cached from ") and again.costs == policy.costs
     assert CostTable.open({**key, "machine": "there"}, tmp_path).entries == {}
-    assert measure_costs(decoder_of(star())).startswith("step costs measured now (2 trees, ")  # no table: in memory
-    assert measure_costs(SpecDecoder(loaded, None, FixedTree("ar", load_topology("ar")))) is None
+    fresh = star()
+    assert measure_costs(fresh, lambda: decoder_of(fresh)).startswith("step costs measured now (2 trees, ")  # in memory
+    assert measure_costs(FixedTree("ar", load_topology("ar")), lambda: pytest.fail("built")) is None
     result = decoder.generate(PROMPT, DecodingConfig(policy="fixed", max_new_tokens=MAX_NEW))
     assert result.output_token_ids == reference
 
@@ -287,15 +288,15 @@ def test_trees_that_cannot_win_at_the_costs_known_are_not_timed(loaded, referenc
                           FixedTree("x", one))
     table = CostTable.open({"model": "tiny"}, tmp_path)
     table.add({one: (1.0, 1)})  # a made-up second a step: any tree of tau < CONTENDER is hopeless above it
-    costs = price(decoder, [one, chain, wide], {"n1": 1.0, "chain4": CONTENDER * 0.99, "w16": 5.0}, table)
+    costs = price(lambda: decoder, [one, chain, wide], {"n1": 1.0, "chain4": CONTENDER * 0.99, "w16": 5.0}, table)
     assert set(costs) == {"n1", "w16"} and costs["n1"] == 1.0 and costs["w16"] < 0.5
     assert table.seconds(chain) is None and CostTable.open({"model": "tiny"}, tmp_path).seconds(wide) == costs["w16"]
     # the bound grows with the nodes as the known trees' costs do (half their growth a node): 1 s at one node and
     # 3 s at five make 16 nodes at least 5.75 s, too dear for 2.5 tokens a step beside the root's 1 a second
     grown = CostTable({}, None)
     grown.add({one: (1.0, 1), chain: (3.0, 1)})
-    assert price(decoder, [one, chain, wide], {"n1": 1.0, "chain4": 1.0, "w16": 2.5}, grown) == {"n1": 1.0,
-                                                                                               "chain4": 3.0}
+    tau = {"n1": 1.0, "chain4": 1.0, "w16": 2.5}
+    assert price(lambda: pytest.fail("timed"), [one, chain, wide], tau, grown) == {"n1": 1.0, "chain4": 3.0}
 
 
 def test_one_node_steps_of_a_drafting_policy_reach_the_drafter_with_its_next_drafting_step(loaded, reference):
