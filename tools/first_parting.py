@@ -4,7 +4,7 @@
     python tools/first_parting.py --dtype bf16 --prompt-file prose.txt --steps 32 --output runs/parting.json
 
 Greedy one-token steps through the decoder's verifier (the AR steps a job runs) give the reference: every
-operation's output of the token's row (llama.probed), the kept k/v and the logits, at each position. From a
+operation's output of the token's row (`Probe`), the kept k/v and the logits, at each position. From a
 copy of the cache at each of --steps positions, the tree's verify then scores a tree whose rank-0 chain holds
 the greedy continuation (the path a perfect draft accepts; the other nodes hold other tokens). Each chain node
 is compared bitwise with the one-token step at its position: the first operation whose output differs (the
@@ -18,7 +18,7 @@ with one JSON line.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -32,12 +32,18 @@ from entmtp_ray.config import ModelConfig
 from entmtp_ray.decode.tree import Topology, build_buffers, chain_topology, load_topology
 from entmtp_ray.decode.verify import DynamicVerifier, Tree
 from entmtp_ray.model import step
-from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, prepare
+from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, ModelPlan, prepare
 from entmtp_ray.model.kv_cache import KVCache
-from entmtp_ray.model.llama import OPERATIONS, forward_hidden, probed
+from entmtp_ray.model.llama import forward_hidden, forward_hidden_batch, reference_forward
 from entmtp_ray.model.loading import load_model
 
 Trace = dict[tuple[int, str], torch.Tensor]  # (layer, op) -> one row's output [F]
+
+# What a probe sees of a decoder layer, in the order the forward computes it (between "embed", layer -1, and
+# "final_norm", layer len(layers)): each the output of one of the plan's products and norms, or the input of the
+# next one. "attention" is what the o projection reads: the attention over the rotated q and k.
+OPERATIONS = ("input_norm", "qkv", "attention", "o_proj", "residual", "post_norm", "gate_up", "act_mul", "down",
+              "output")
 
 
 @dataclass(frozen=True)
@@ -70,15 +76,53 @@ def _order(key: tuple[int, str]) -> tuple[int, int]:
 
 
 class Recorder:
-    """A probe (llama.probed) keeping the given rows of every operation's output: one trace per row."""
+    """Keeps the given rows of every operation's output that a probed plan (`probing`) reports: one trace per row."""
 
     def __init__(self, rows: list[int]):
         self.rows = rows
         self.seen: list[Trace] = [{} for _ in rows]
 
     def __call__(self, layer: int, op: str, out: torch.Tensor) -> None:
+        out = out.reshape(-1, out.shape[-1])  # [rows, F]
         for trace, row in zip(self.seen, self.rows):
             trace[layer, op] = out[row].clone()
+
+
+class Watched:
+    """One of a plan's products or norms, reporting what it reads and what it returns to `seen` (either may be
+    None); every other attribute is the wrapped one's."""
+
+    def __init__(self, inner, seen_input, seen_output):
+        self.inner, self.seen_input, self.seen_output = inner, seen_input, seen_output
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seen_input is not None:
+            self.seen_input(x)
+        out = self.inner(x)
+        if self.seen_output is not None:
+            self.seen_output(out)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def probing(plan: ModelPlan, recorder: Recorder) -> ModelPlan:
+    """`plan` with its products and norms reporting each operation's output to `recorder` as the Python reference
+    forward (llama.reference_forward) runs it: the forward itself carries no probe."""
+    def at(layer: int, op: str):
+        return lambda out: recorder(layer, op, out)
+
+    layers = []
+    for i, p in enumerate(plan.layers):
+        layers.append(dataclasses.replace(
+            p, input_norm=Watched(p.input_norm, at(i - 1, "output") if i else at(-1, "embed"), at(i, "input_norm")),
+            qkv=Watched(p.qkv, None, at(i, "qkv")), o=Watched(p.o, at(i, "attention"), at(i, "o_proj")),
+            post_attention_norm=Watched(p.post_attention_norm, at(i, "residual"), at(i, "post_norm")),
+            gate_up=Watched(p.gate_up, None, at(i, "gate_up")), down=Watched(p.down, at(i, "act_mul"), at(i, "down"))))
+    last = len(plan.layers)
+    return dataclasses.replace(plan, layers=tuple(layers),
+                               norm=Watched(plan.norm, at(last - 1, "output"), at(last, "final_norm")))
 
 
 def chain_nodes(topology: Topology) -> list[int]:
@@ -137,23 +181,18 @@ def _copy_prefix(cache: KVCache, length: int) -> KVCache:
     return copy
 
 
-def _probing(recorder: Recorder, operations: bool):
-    """Records every operation (the Python forward) or nothing (whatever step a job runs: the native one where it
-    serves, which has no operations to probe: its rows compare by their kept k/v per layer and their logits)."""
-    return probed(recorder) if operations else contextlib.nullcontext()
-
-
 def one_token_steps(verifier, cache: KVCache, plan, root: int, count: int, operations: bool = True
                     ) -> tuple[list[int], list[Trace], list[torch.Tensor]]:
     """`count` greedy one-token steps from `root` through the verifier, as a job's AR steps run: the tokens (root
-    first, count + 1), each step's trace of the token's row (empty without `operations`), and its logits [V]."""
+    first, count + 1), each step's trace of the token's row (empty without `operations`: the native step, where it
+    serves, has no operations to probe), and its logits [V]."""
     one = build_buffers(chain_topology(0), cache.k.device)
     greedy, traces, logits = [root], [], []
     for _ in range(count):
         recorder = Recorder([0])
         token = torch.tensor([greedy[-1]], device=cache.k.device)
-        with _probing(recorder, operations):
-            verified = verifier([Tree(cache, one, token, plan)])[0]
+        watched = probing(plan, recorder) if operations else plan
+        verified = verifier([Tree(cache, one, token, watched)])[0]
         cache.commit(1)
         recorder.seen[0][len(plan.layers), "lm_head"] = verified.logits[0]
         traces.append(recorder.seen[0])
@@ -169,7 +208,9 @@ def find_partings(loaded, prompt_ids: list[int], topology: Topology, steps: int,
     operation by operation; without, the step a job runs (the native step where it serves: step.py), compared by
     each layer's kept k/v and the logits only."""
     model, device, cfg = loaded.model, loaded.device, loaded.model.config
-    plan, verifier = prepare(model), DynamicVerifier(model)
+    plan = prepare(model)
+    # with `operations`, the Python reference forward, whose plan reports each operation (`probing`)
+    verifier = DynamicVerifier(model, reference_forward if operations else forward_hidden_batch)
     chain = chain_nodes(topology)
     # the greedy continuation reaches the tree's depth: a node off the chain may lie deeper than the chain does
     reach, p = topology.depth, len(prompt_ids)
@@ -190,8 +231,8 @@ def find_partings(loaded, prompt_ids: list[int], topology: Topology, steps: int,
             tree_cache = _copy_prefix(cache, committed)
             tokens = tree_tokens(topology, chain, greedy[position:position + reach + 1], cfg.vocab_size).to(device)
             recorder = Recorder(chain)
-            with _probing(recorder, operations):
-                verified = verifier([Tree(tree_cache, buffers, tokens, plan)])[0]
+            watched = probing(plan, recorder) if operations else plan
+            verified = verifier([Tree(tree_cache, buffers, tokens, watched)])[0]
             rows = []
             for d, node in enumerate(chain):
                 at = position + d  # the one-token step that processed this node's token

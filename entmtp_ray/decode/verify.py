@@ -58,10 +58,12 @@ class Verifier(Protocol):
 
 
 class DynamicVerifier:
-    """Eager verification over each request's own cache; any number of requests in one forward."""
+    """Eager verification over each request's own cache; any number of requests in one forward. `forward`:
+    the model's forward over several requests' rows (`llama.forward_hidden_batch`; a tool may pass the Python
+    reference, `llama.reference_forward`)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, forward=forward_hidden_batch):
+        self.model, self.forward = model, forward
 
     def add(self, trees: list[TreeBuffers]) -> None:
         pass
@@ -71,7 +73,7 @@ class DynamicVerifier:
         rows = [Rows(t.cache, t.tokens, length + t.buffers.depth_of, t.buffers.tree_mask)
                 for t, length in zip(trees, committed)]
         plan = trees[0].plan
-        hidden = forward_hidden_batch(self.model, rows, plan)  # [n_i, H] each
+        hidden = self.forward(self.model, rows, plan)  # [n_i, H] each
         picked = [h[t.buffers.logit_nodes] for h, t in zip(hidden, trees)]
         if len(picked) == 1:
             logits = [plan.lm_head(picked[0])]

@@ -9,8 +9,6 @@ nothing about heads, trees or acceptance.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -20,33 +18,6 @@ from entmtp_ray.model import step
 from entmtp_ray.model.attention import fixed_order_attention, uses_fixed_order
 from entmtp_ray.model.kernels import ONE_TOKEN_ROWS, LayerPlan, ModelPlan, prepare
 from entmtp_ray.model.kv_cache import KVCache
-
-
-# A probe sees the output of every operation of the forwards run inside `probed`: probe(layer, op, rows [r, F]),
-# layer -1 for the embedding and len(layers) for the final norm (tools/first_parting.py compares two forwards op by op).
-Probe = Callable[[int, str, torch.Tensor], None]
-_probe: Probe | None = None
-
-
-@contextmanager
-def probed(probe: Probe) -> Iterator[None]:
-    """Run the forwards inside with `probe` called on each operation's output (OPERATIONS, in order)."""
-    global _probe
-    previous, _probe = _probe, probe
-    try:
-        yield
-    finally:
-        _probe = previous
-
-
-# What a probe sees, in the order a forward computes it: a layer's operations between "embed" and "final_norm".
-OPERATIONS = ("input_norm", "qkv", "rotary", "attention", "o_proj", "residual", "post_norm", "gate_up", "act_mul",
-              "down", "output")
-
-
-def _seen(layer: int, op: str, rows: torch.Tensor) -> None:
-    if _probe is not None:
-        _probe(layer, op, rows)
 
 
 def rotary(rotary_emb: torch.nn.Module, like: torch.Tensor, positions: torch.Tensor):
@@ -111,8 +82,6 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
     hd, heads, kv_heads = p.head_dim, p.heads, p.kv_heads
     normed = p.input_norm(x)[0]  # [M, H]
     qkv = p.qkv(normed)  # [M, (heads + 2kv) * hd]
-    _seen(layer_index, "input_norm", normed)
-    _seen(layer_index, "qkv", qkv)
     if expand is not None:
         qkv = qkv.index_select(0, expand)
     n = qkv.shape[0]
@@ -120,8 +89,6 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
     cos, signed_sin = tables  # [1, n, hd] each
     qk = qkv[:heads + kv_heads]
     qk = qk * cos + qk.roll(hd // 2, -1) * signed_sin  # rotary on q and k at once
-    if _probe is not None:  # the reshape copies: only for a probe
-        _seen(layer_index, "rotary", qk.transpose(0, 1).reshape(n, -1))
     fixed_order = uses_fixed_order(qk)
     outs = []
     for part in parts:
@@ -143,20 +110,12 @@ def decoder_layer_parts(layer: torch.nn.Module, x: torch.Tensor, tables, parts: 
     attended = outs[0] if len(outs) == 1 else torch.cat(outs)  # [M, heads * hd]
     projected = p.o(attended[None])  # [1, M, H]
     x = x + projected
-    _seen(layer_index, "attention", attended)
-    _seen(layer_index, "o_proj", projected[0])
-    _seen(layer_index, "residual", x[0])
     normed = p.post_attention_norm(x)
     fused = p.gate_up(normed)  # [1, M, 2I]
     gate, up = fused.chunk(2, dim=-1)  # [1, M, I] each
     mixed = p.act(gate) * up
     down = p.down(mixed)
-    _seen(layer_index, "post_norm", normed[0])
-    _seen(layer_index, "gate_up", fused[0])
-    _seen(layer_index, "act_mul", mixed[0])
-    _seen(layer_index, "down", down[0])
     x = x + down
-    _seen(layer_index, "output", x[0])
     return x
 
 
@@ -189,10 +148,17 @@ def forward_hidden_batch(model, requests: list[Rows], plan: ModelPlan | None = N
     own cache. The products run once over all rows (the weights are read once for every request); each
     request attends over its own cache with its own mask, as it would alone (`decoder_layer_parts`)."""
     base, plan = model.model, plan or prepare(model)
-    if len(requests) == 1 and _probe is None and uses_fixed_order(base.embed_tokens.weight):
+    if len(requests) == 1 and uses_fixed_order(base.embed_tokens.weight):
         native = step.for_model(model, plan)
         if native is not None:
             return [_native_forward(native, base, requests[0], plan)]
+    return reference_forward(model, requests, plan)
+
+
+def reference_forward(model, requests: list[Rows], plan: ModelPlan) -> list[torch.Tensor]:
+    """`forward_hidden_batch` in Python, operation by operation (never the native step): what the native step is
+    checked against, and what tools/first_parting.py observes through the plan's products and norms."""
+    base = model.model
     device = requests[0].tokens.device
     tokens, positions, parts, start = [], [], [], 0
     expand, compact = [], 0  # each attention row's row of the products, and how many rows those have
@@ -218,12 +184,10 @@ def forward_hidden_batch(model, requests: list[Rows], plan: ModelPlan | None = N
     positions = positions[0] if len(positions) == 1 else torch.cat(positions)
     expand = None if compact == start else torch.tensor(expand, device=device)
     x = base.embed_tokens(tokens)[None]  # [1, M, H]
-    _seen(-1, "embed", x[0])
     tables = rotary_tables(base.rotary_emb, x, positions)
     for i, (layer, layer_plan) in enumerate(zip(base.layers, plan.layers)):
         x = decoder_layer_parts(layer, x, tables, parts, i, layer_plan, expand)
     x = plan.norm(x)[0]  # [M, H]
-    _seen(len(plan.layers), "final_norm", x)
     return list(x.split(rows))  # [n_i, H] each
 
 
