@@ -25,7 +25,7 @@ import torch
 
 from entmtp_ray.calibrate.bank import build_policy, load_bank
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.decode.loop import SpecDecoder, profiled
 from entmtp_ray.decode.results import PHASES
 from entmtp_ray.decode.policy import FixedTree
 from entmtp_ray.decode.tree import Topology, build_buffers, load_topology, make_topology
@@ -64,9 +64,10 @@ def step_breakdown(loaded, drafter, prompts, max_new, tree: Topology) -> dict[st
     decoder = SpecDecoder(loaded, drafter if tree.depth > 0 else None, FixedTree(tree.name, tree))
     decoder.generate(prompts[0], DecodingConfig(policy="ar", max_new_tokens=8))  # warm-up
     cfg = DecodingConfig(policy="ar", max_new_tokens=max_new)
+    profiler = profiled(decoder)
     steps, decode_s, parts = 0, 0.0, defaultdict(float)
     for ids in prompts:
-        result = decoder.generate(ids, cfg, profile=True)
+        result = profiler.generate(ids, cfg)
         steps += len(result.steps)
         decode_s += result.decode_s
         for step in result.steps:

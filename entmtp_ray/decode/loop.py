@@ -3,10 +3,11 @@ traced result (docs/design.md §2).
 
 One request at a time (batch size 1). AR is the same loop with the one-node tree. Knows nothing
 about Ray or Parquet; the policy decides the tree, acceptance decides the path. Each step is six
-named methods over one `Request` (the state of a generation in flight) and returns its StepTrace,
-whose `seconds` holds each phase's wall time when the caller asks for a profile. The phases' parts live in
-their own modules: drafting.py (the drafter), verify.py (the verify seam and its dynamic path; static.py its
-static one), acceptance.py (the accepted path under each rule, read back), results.py (the request, traces and result).
+named methods over one `Request` (the state of a generation in flight) and returns its StepTrace; a profile of
+each phase's wall time comes from a profiling twin of the decoder (`profiled`), not from the decoder itself. The
+phases' parts live in their own modules: drafting.py (the drafter), verify.py (the verify seam and its dynamic
+path; static.py its static one), acceptance.py (the accepted path under each rule, read back), results.py (the
+request, traces and result).
 """
 
 from __future__ import annotations
@@ -152,12 +153,11 @@ class SpecDecoder:
             torch.cuda.synchronize(self.loaded.device)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None,
-                 profile: bool = False) -> GenerationResult:
-        """Decode one request to its end. `profile`: each step's trace keeps its phase times (the device
-        is synchronised at every phase boundary, so a profiled run is a little slower)."""
+    def generate(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None
+                 ) -> GenerationResult:
+        """Decode one request to its end."""
         start = time.perf_counter()
-        request = self.prefill(prompt_ids, cfg, generator, profile)
+        request = self.prefill(prompt_ids, cfg, generator)
         self._sync()
         prefill_s = time.perf_counter() - start
         while request.finish is None:
@@ -176,8 +176,8 @@ class SpecDecoder:
             schedule_s=request.schedule_s)
 
     @in_inference_mode
-    def prefill(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None,
-                profile: bool = False) -> Request:
+    def prefill(self, prompt_ids: list[int], cfg: DecodingConfig, generator: torch.Generator | None = None
+                ) -> Request:
         """The prompt, causally, into a fresh cache; its last logits give the first token (the first root)."""
         need = positions_needed(len(prompt_ids), cfg.max_new_tokens, self.max_nodes)
         if self.static and self.cache.capacity < min(need, self.loaded.max_positions):
@@ -198,7 +198,7 @@ class SpecDecoder:
         root = int(sample_next(cfg, plan.lm_head(hidden[-1]), generator))
         self.drafter.begin(hidden, positions, capacity)
         tracer, own_tracer = self._tracer(cfg)
-        request = Request(cfg, generator, capacity, plan, root, [], None, tracer, own_tracer, profile,
+        request = Request(cfg, generator, capacity, plan, root, [], None, tracer, own_tracer,
                           prompt_ids=list(prompt_ids), stop_ids=self.loaded.eos_token_ids | frozenset(cfg.stop_token_ids or ()),
                           stops=StopStrings(cfg.stop, self.loaded.decode) if cfg.stop else None)
         self.emit(request, [root])
@@ -221,7 +221,7 @@ class SpecDecoder:
     def choose_step(self, request: Request) -> PendingStep | None:
         """A step's tree (near the end of the context, one node), its tokens not drafted yet. None, with the
         request finished, when the context is full."""
-        clock = PhaseClock(self._sync if request.profile else None)
+        clock = self._clock()
         signal = request.tracer.value if request.tracer is not None else None
         buffers = self.choose(request)
         clock.mark("choose")
@@ -247,9 +247,11 @@ class SpecDecoder:
         trace = self.observe(request, verified, accepted, emitted, pending.signal)
         clock.mark("observe")
         request.schedule_s += sum(clock.seconds[phase] for phase in SCHEDULING)
-        if request.profile:
-            trace.seconds = clock.seconds
         return trace
+
+    def _clock(self) -> PhaseClock:
+        """A step's phase clock: its choose and observe phases are the request's scheduling time."""
+        return PhaseClock()
 
     def for_policy(self, policy: Policy) -> SpecDecoder:
         """A decoder for another policy over this one's model, drafter, static cache and verifier (which captures
@@ -343,3 +345,24 @@ def _extend(output: list[int], new_tokens: list[int], stop_ids: frozenset[int], 
             return "length"
     return None
 
+
+
+class ProfiledDecoder(SpecDecoder):
+    """A decoder whose steps synchronise the device at each phase boundary and keep each phase's wall time in their
+    traces (StepTrace.seconds, PHASES): a profile, a little slower. Made by `profiled`, never by a job."""
+
+    def _clock(self) -> PhaseClock:
+        return PhaseClock(self._sync)
+
+    def finish_step(self, request: Request, pending: PendingStep, verified: Verified) -> StepTrace:
+        trace = super().finish_step(request, pending, verified)
+        trace.seconds = pending.clock.seconds
+        return trace
+
+
+def profiled(decoder: SpecDecoder) -> ProfiledDecoder:
+    """A profiling twin of `decoder`: the same model, drafter, policy and caches (so the two must not run at once),
+    its steps' traces holding their phase times (ProfiledDecoder)."""
+    twin = ProfiledDecoder.__new__(ProfiledDecoder)
+    twin.__dict__.update(decoder.__dict__)
+    return twin

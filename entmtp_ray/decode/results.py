@@ -105,7 +105,6 @@ class Request:
     finish: str | None  # None while running, else the finish reason
     tracer: Signal | None  # the signal whose value each step records (None: not traced)
     own_tracer: bool  # whether the decoder (not the policy) updates the tracer
-    profile: bool  # synchronise the device at each phase boundary and keep the phase times
     prompt_ids: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # EOS and the stop token ids
     stops: StopStrings | None = None  # the stop strings (None: none)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.loop import SpecDecoder
+from entmtp_ray.decode.loop import SpecDecoder, profiled
 from entmtp_ray.decode.policy import Adaptive, FixedTree, HysteresisPolicy, LadderPolicy, make_signal
 from entmtp_ray.decode.tree import make_topology
 from helpers.oracle import MAX_NEW, PROMPT, OracleDrafter, assert_cache_holds_the_committed_prefix, rotating, tree_of
@@ -25,11 +25,13 @@ def forced_logits(loaded, reference) -> torch.Tensor:
 
 
 def decode(loaded, reference, policy, plan=None, seed=0, profile=False, **cfg):
-    """(decoder, result) of PROMPT through `policy` with the oracle (decoder.drafter) drafting."""
+    """(decoder, result) of PROMPT through `policy` with the oracle (decoder.drafter) drafting; `profile`: through
+    the decoder's profiling twin (loop.profiled)."""
     drafter = OracleDrafter(reference, len(PROMPT), loaded.model.config.vocab_size, **({"plan": plan} if plan else {}))
     decoder = SpecDecoder(loaded, drafter, policy)
     cfg = DecodingConfig(**{"policy": "fixed", "max_new_tokens": MAX_NEW, **cfg})
-    return decoder, decoder.generate(PROMPT, cfg, torch.Generator().manual_seed(seed), profile=profile)
+    return decoder, (profiled(decoder) if profile else decoder).generate(PROMPT, cfg,
+                                                                         torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("tree, plan, min_tau, longest", [
@@ -117,8 +119,8 @@ def test_time_is_split_into_prefill_decode_and_scheduling(loaded, reference, mon
     assert steps == 3
     assert (result.prefill_s, result.schedule_s, result.decode_s) == (1.0, 2.0 * steps, 7.0 * steps + 1)
     assert all(s.seconds == {} for s in result.steps)  # phases are kept only when profiled
-    _, profiled = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), max_new_tokens=16, profile=True)
-    assert all(s.seconds == dict.fromkeys(results.PHASES, 1.0) for s in profiled.steps)
+    _, timed = decode(loaded, reference, FixedTree("fixed", tree_of("chain4")), max_new_tokens=16, profile=True)
+    assert all(s.seconds == dict.fromkeys(results.PHASES, 1.0) for s in timed.steps)
 
 
 def test_a_bank_policy_with_one_tree_traces_its_own_signal(loaded, reference, forced_logits):
