@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from transformers.utils import logging as transformers_logging
 
 from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig
+from entmtp_ray.pipeline.assemble import resolve
 from entmtp_ray.pipeline.engine import Engine, RowRequest
 from entmtp_ray.pipeline.sources import LINE_ERROR, LINE_ID, POS, open_file, read_file, resolve_filesystem
 from entmtp_ray.pipeline.sampling import SAMPLING_COLUMN, check_row
@@ -111,8 +112,8 @@ def read_prompts(args) -> list[tuple[str, object, str | None, object]]:
 def cmd_generate(args) -> int:
     try:
         concurrency = config_from_args(PoolConfig, args).concurrent_requests
-        engine = Engine(config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args),
-                        concurrency=concurrency)
+        model_cfg = config_from_args(ModelConfig, args)
+        engine = Engine(model_cfg, resolve(model_cfg, config_from_args(DecodingConfig, args)), concurrency=concurrency)
         prompts = read_prompts(args)
     except (ValueError, ValidationError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -110,9 +110,10 @@ def test_an_actors_engine_loads_and_decodes_without_transformers_modelling():
     torch.distributed.tensor: 3 s of imports on 2 cores) stays out of the first row's way (issue 50)."""
     probe = ("import sys\n"
              "from entmtp_ray.config import DecodingConfig, ModelConfig\n"
+             "from entmtp_ray.pipeline.assemble import resolve\n"
              "from entmtp_ray.pipeline.engine import Engine\n"
-             "engine = Engine(ModelConfig(), DecodingConfig(task='humaneval', max_new_tokens=4), "
-             "transformers_forward=False)\n"
+             "plan = resolve(ModelConfig(), DecodingConfig(task='humaneval', max_new_tokens=4))\n"
+             "engine = Engine(ModelConfig(), plan, transformers_forward=False)\n"
              "engine.warm_up()\n"
              "print(sorted(m for m in ('transformers.models.llama.modeling_llama', 'torch._dynamo', "
              "'torch.distributed.tensor', 'transformers.core_model_loading') if m in sys.modules))")

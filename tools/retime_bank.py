@@ -28,6 +28,7 @@ from entmtp_ray.calibrate.bank import Selection, current_hardware, load_bank, sa
 from entmtp_ray.calibrate.sweep import select_measured, with_star
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.calibration import step_seconds
+from entmtp_ray.pipeline.assemble import resolve
 from entmtp_ray.pipeline.engine import Engine
 
 
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()][: args.prompts]
     model = ModelConfig(dtype=args.dtype, activations=args.activations,
                         **{k: v for k, v in (("model", args.model), ("heads", args.heads)) if v})
-    engine = Engine(model, DecodingConfig(policy="hydra", max_new_tokens=args.new_tokens))
+    engine = Engine(model, resolve(model, DecodingConfig(policy="hydra", max_new_tokens=args.new_tokens)))
     trees = {t.name: bank.topology(t.name) for t in bank.trees}
     with tempfile.TemporaryDirectory() as work:
         seconds, _ = step_seconds(engine, trees, prompts, args.new_tokens, Path(work))

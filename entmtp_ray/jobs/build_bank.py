@@ -35,6 +35,7 @@ from entmtp_ray.pipeline.calibration import CalibrationRow, build_bank
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig, PoolConfig, ProcessorConfig
 from entmtp_ray.model.heads import SEEN_PROMPTS_FILE
+from entmtp_ray.pipeline.assemble import resolve
 from entmtp_ray.pipeline.engine import Engine
 from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS, TASKS, load_prompts
 
@@ -159,8 +160,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.concurrent_requests < 1:
         p.error("--concurrent-requests must be >= 1")
-    engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens),
-                    concurrency=args.concurrent_requests)
+    drafting = DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens)
+    engine = Engine(model_cfg, resolve(model_cfg, drafting), concurrency=args.concurrent_requests)
     written = pads.dataset(rollout_dir, format="parquet").to_table(
         columns=["id", "prompt", "output_token_ids", "error"]).to_pylist()
     rows = [CalibrationRow(r["id"], r["prompt"], r["output_token_ids"]) for r in written if not r["error"]]

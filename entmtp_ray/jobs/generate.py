@@ -27,7 +27,8 @@ from entmtp_ray.config import (CalibrationConfig, DecodingConfig, InputConfig, J
 from entmtp_ray.pipeline.dataplane import connect, joined, run_job, shutdown
 from entmtp_ray.pipeline.manifest import check_or_write, run_settings
 from entmtp_ray.pipeline.outputs import check_output
-from entmtp_ray.pipeline.processor import build_processor, calibration_problem
+from entmtp_ray.pipeline.autobank import calibration_problem
+from entmtp_ray.pipeline.processor import build_processor
 from entmtp_ray.pipeline.sources import Location
 from entmtp_ray.pipeline.tasks import open_prompts, prompt_spec
 
@@ -35,7 +36,9 @@ CONFIGS = (InputConfig, JobConfig, PoolConfig, ModelConfig, DecodingConfig, Cali
 CONFIG_ERROR, CALIBRATION_FAILED = 2, 3  # exit statuses
 
 
-def main(argv=None) -> int:
+def main(argv=None, actor: type | None = None) -> int:
+    """The job of `argv`; `actor`: the pool's callable class in place of GenerateActor (a subclass: the tests inject
+    faults through one)."""
     started = time.time()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for config in CONFIGS:
@@ -48,7 +51,8 @@ def main(argv=None) -> int:
         source, job, pool = (config_from_args(c, args) for c in (InputConfig, JobConfig, PoolConfig))
         model_cfg, decoding = config_from_args(ModelConfig, args), config_from_args(DecodingConfig, args)
         processor = build_processor(ProcessorConfig(model=model_cfg, decoding=decoding, pool=pool,
-                                                    calibration=config_from_args(CalibrationConfig, args)))
+                                                    calibration=config_from_args(CalibrationConfig, args)),
+                                    **({"actor": actor} if actor is not None else {}))
         location = Location.of(job.output)
         spec = prompt_spec(decoding.task, source.dataset, source.split, source.prompt_column, source.id_column,
                            source.messages_column)

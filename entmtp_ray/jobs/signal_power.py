@@ -27,6 +27,7 @@ from entmtp_ray.calibrate.rollouts import Rollout, measure_rollout
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.tree import load_topology
+from entmtp_ray.pipeline.assemble import resolve
 from entmtp_ray.pipeline.engine import Engine
 from entmtp_ray.pipeline.tasks import TASKS, load_prompts
 
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
     try:
         table = load_prompts(args.task, args.dataset, split=args.split, limit=args.prompts, seed=args.seed,
                              subset="eval")
-        engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens))
+        drafting = DecodingConfig(policy="hydra", max_new_tokens=args.max_new_tokens)
+        engine = Engine(model_cfg, resolve(model_cfg, drafting))
         if args.tree.endswith(".json") and "policy" in json.loads(Path(args.tree).read_text()):
             bank = load_bank(args.tree, engine.decoder.drafter.max_depth)
             tree = bank.topology(bank.policy.star)

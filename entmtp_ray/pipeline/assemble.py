@@ -172,6 +172,24 @@ def resolve(model_cfg: ModelConfig, decoding: DecodingConfig, actors: Actors | N
     return Plan(requested, running, policy, needs_heads, bank_path, bank, bank_label, calibrate, source)
 
 
+def fixed_plan(decoding: DecodingConfig) -> Plan:
+    """The plan of a policy that reads no bank (ar, hydra, a --tree of its own) as `decoding` gives it, for a process
+    whose model and heads a job's plan has checked already (an auto bank's calibration task decodes its rollouts and
+    drafts its trees with such policies). ValueError for `auto` or a bank's policy, which only `resolve` decides."""
+    if decoding.policy == AUTO or decoding.policy in BANK_POLICIES or decoding.bank:
+        raise ValueError(f"--policy {decoding.policy} (bank {decoding.bank}) is resolved with its bank: use resolve")
+    policy = build_policy(decoding, None)
+    return Plan(decoding, decoding, policy, any(t.depth > 0 for t in policy.trees()), None, None,
+                source=f"--policy {decoding.policy}")
+
+
+def check(model_cfg: ModelConfig, decoding: DecodingConfig) -> None:
+    """Every check `resolve` makes, for this process's facts, dropping the plan: a broken config fails at once
+    (build_processor), before Ray starts or any actor is placed. It decides nothing: the job's plan is resolved once
+    the actors' facts are known (Processor.plan_for_actors)."""
+    resolve(model_cfg, decoding)
+
+
 @dataclass
 class Stack:
     """A loaded model with (optionally) its heads' drafter: decoders for any policy share it."""

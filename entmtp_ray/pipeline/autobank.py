@@ -1,6 +1,8 @@
 """`--bank auto`: a topology bank calibrated on the job's own prompts, on a worker like the generation actors, and
-cached by everything it depends on. No Ray here: the processor runs `calibrate_on_worker` as a Ray task with the
-actors' resources (pipeline/processor.py), and the job writes the rollouts it returns (pipeline/dataplane.py).
+cached by everything it depends on. All of it is here: the driver's half (`calibrate`: the key, the cache, the
+sample, the report) and the worker's (`probe_hardware`, `calibrate_on_worker`). No Ray import: the processor hands
+`calibrate` a function that runs a function as a Ray task with the actors' resources (pipeline/processor.py), then
+re-plans with the bank it returns; the job writes the rollouts as its rows (`calibration_rows`, pipeline/dataplane.py).
 
 1. `probe_hardware` (on a worker of the actors' kind): the device, dtype, threads and CPU (on a GPU, its torch and
    CUDA versions) the bank is timed on.
@@ -30,10 +32,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from entmtp_ray.calibrate.bank import BANK_VERSION, Bank, Hardware, current_hardware
-from entmtp_ray.config import CalibrationConfig, DecodingConfig, ModelConfig
+from entmtp_ray.config import CalibrationConfig, DecodingConfig, ModelConfig, ProcessorConfig
 from entmtp_ray.model.loading import cache_dir, draft_vocab_for, pick_device, pick_dtype
+from entmtp_ray.pipeline.assemble import Plan, fallback_warning, fixed_plan
 from entmtp_ray.pipeline.calibration import CalibrationRow, build_bank
 from entmtp_ray.pipeline.manifest import heads_identity
+from entmtp_ray.pipeline.records import output_table
+from entmtp_ray.pipeline.sampling import ROW_COLUMNS, SAMPLE_INDEX, SAMPLING
 from entmtp_ray.pipeline.sources import Location
 
 log = logging.getLogger(__name__)
@@ -140,6 +145,145 @@ def store(root: Location, name: str, bank_json: str, key: dict | None) -> bool:
         return False
 
 
+# ---- on the driver ---------------------------------------------------------------------------------
+
+# --bank auto calibrates on at most 1 / CALIBRATION_SHARE of the job's rows: on fewer, its rollouts (decoded as AR)
+# and its build would cost more than the bank saves on the rest (issue 40: 40 rows, 40 rollouts, a bank no row used)
+CALIBRATION_SHARE = 4
+
+
+def calibrate(config: ProcessorConfig, plan: Plan, device: str, on_worker, samples, output: str | None = None,
+              data: tuple[str, str] | None = None) -> AutoBank:
+    """An auto bank for the job of `config`, whose `plan` (assemble.resolve's, with `calibrate` set) runs its
+    fallback until a bank is in hand: the cached one for this key, else one calibrated on the first
+    --calibration-prompts eligible rows of `samples` (a Ray Dataset of expanded rows: no input error, sample 0, no row
+    sampling_params) by `calibrate_on_worker`, when the job has CALIBRATION_SHARE times as many rows (else the
+    fallback decodes them, and the report says why). `device`: the actors'; `on_worker(fn, *args, retries=0)`: fn's
+    result, run where an actor would run (a Ray task with an actor's CPUs and GPUs). `output`: the job's output,
+    whose `_banks` folder caches it first; `data`: (label, fingerprint) of the job's input (default: the task, else the
+    sampled prompts). A failed calibration leaves the fallback in place, with a warning, and says so in the report
+    (`calibration_problem`); with no row left to decode (--resume) there is nothing to calibrate for. Returns the
+    bank, the rollouts a greedy job writes as its rows (with their sample rows), and the report."""
+    started = time.time()
+    calibration, pool = config.calibration, config.pool
+    model = config.model.model_dump() | {"device": device}
+    threads, concurrency = max(1, int(pool.cpus_per_actor)), pool.concurrent_requests
+    hardware = on_worker(probe_hardware, model, threads, concurrency, retries=3)
+    roots = cache_roots(calibration, output)
+    taken = None
+    if data is None and not plan.requested.task:
+        taken = calibration_sample(samples, calibration.calibration_prompts)
+        data = data_identity(None, prompts=taken[1])
+    label, fingerprint = data or data_identity(plan.requested.task)
+    key = bank_key(config.model, fingerprint, hardware, calibration)
+    name = key_name(key, label)
+    report = {"status": "cached", "key": name, "hardware": hardware.describe(), "prompts": 0, "rows_reused": 0}
+
+    def done(auto: AutoBank) -> AutoBank:
+        return _reported(auto, plan, config, started)
+
+    found = find_cached(roots, name)
+    if found:
+        return done(AutoBank(found[0], found[1], report))
+    sample, rows, read = taken or calibration_sample(samples, calibration.calibration_prompts)
+    if not read:  # every row already written (--resume): none decodes, with a bank or without
+        report.update(status="skipped", reason="no row of the job is left to decode")
+        return done(AutoBank(None, None, report))
+    if read < CALIBRATION_SHARE * calibration.calibration_prompts:
+        running = plan.decoding
+        report.update(status="skipped", fallback=running.bank or running.policy,
+                      reason=f"the job has {read} rows to decode, fewer than {CALIBRATION_SHARE} x "
+                      f"--calibration-prompts ({calibration.calibration_prompts}): a bank calibrated on a share "
+                      "that large would not pay back its calibration; the rows decode with the fallback. Pass "
+                      "--calibration-prompts N for a smaller sample, or --bank FILE")
+        log.warning("--bank auto: not calibrating: %s (%s)", report["reason"], report["fallback"])
+        return done(AutoBank(None, None, report))
+    if not rows:
+        report.update(status="failed", error=f"none of the job's first {read} rows decodes as the job does "
+                      "(each has an input error, or sampling_params of its own), so none can be calibrated on")
+        return done(AutoBank(None, None, report))
+    report.update(status="built", prompts=len(rows))
+    work = roots[0].sub(name).sub("work")
+    log.warning("--bank auto: calibrating a bank on %d of the job's prompts (%s; stages in %s)", len(rows),
+                report["hardware"], work.uri)
+    try:
+        result = on_worker(calibrate_on_worker, model, plan.requested.model_dump(), threads, rows, work.uri,
+                           f"{label}-auto", calibration.calibration_budget, label, concurrency, retries=1)
+    except Exception as exc:  # noqa: BLE001 - a failed calibration falls back, it never ends the job
+        report.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        return done(AutoBank(None, None, report))
+    report["stage_seconds"] = {k: round(v, 1) for k, v in result["seconds"].items()}
+    auto = AutoBank(None, None, report, result["records"], sample if result["records"] else None)
+    if result["bank"] is None:
+        report.update(status="failed", error=result["error"])
+        return done(auto)
+    stored = [root for root in roots if store(root, name, result["bank"], key)]
+    auto.bank = Bank.model_validate_json(result["bank"])
+    auto.label = f"{(stored[0] if stored else roots[0]).sub(name).uri}/{BANK_FILE}"
+    return done(auto)
+
+
+def _reported(auto: AutoBank, plan: Plan, config: ProcessorConfig, started: float) -> AutoBank:
+    """`auto` with its report finished: the bank's star and trees, or the fallback that runs (with a warning when the
+    calibration failed), and the seconds it took."""
+    report = auto.report
+    if auto.bank is not None:
+        policy = auto.bank.policy
+        switching = policy.signals[policy.signal]
+        report.update(bank=auto.label, star=policy.star, trees={t.name: t.nodes for t in auto.bank.trees},
+                      selection=auto.bank.selection.reason if auto.bank.selection else None,
+                      # None: no signal's switching gained enough over the star, and entmtp-tau runs the star
+                      signal=policy.signal if switching.conservative != switching.aggressive else None)
+    elif report["status"] == "failed":
+        running = plan.decoding
+        report.update(fallback=running.bank or running.policy,
+                      fallback_accepted=config.calibration.allow_bank_fallback)
+        log.warning(fallback_warning(config.model, running, f"calibration failed ({report['error']})"))
+    report["seconds"] = round(time.time() - started, 1)
+    return auto
+
+
+def calibration_sample(samples, count: int) -> tuple[pa.Table | None, list[dict], int]:
+    """The first `count` rows of `samples` (a Ray Dataset of expanded rows) that a calibration may decode as the job
+    would: no input error, the first sample of its prompt, no sampling_params of its own; as a table, and as the {id,
+    prompt, messages} the calibration task takes; and how many rows were read for them (0, and no table: `samples`
+    has no row). Reads only the first blocks."""
+    read = CALIBRATION_SHARE * count
+    first = samples.limit(read).iter_batches(batch_size=read, batch_format="pyarrow", prefetch_batches=0)
+    rows = next(iter(first), None)  # a few more than `count`, for the rows that do not qualify
+    if rows is None:
+        return None, [], 0
+    keep = [i for i, (error, index, own) in enumerate(zip(*(rows.column(c).to_pylist() for c in
+            ("_input_error", SAMPLE_INDEX, SAMPLING)))) if not error and index == 0 and not own][:count]
+    sample = rows.take(pa.array(keep, pa.int64()))
+    prompts = [{"id": r["id"], "prompt": r["prompt"], "messages": r["_messages"]}
+               for r in sample.select(["id", "prompt", "_messages"]).to_pylist()]
+    return sample, prompts, rows.num_rows
+
+
+def calibration_problem(report: dict | None) -> str | None:
+    """A calibration report's failure that the user did not accept (--allow-bank-fallback), as one line: the error,
+    what decoded the rows instead, and the fixes; None when the job has nothing to report."""
+    if not report or report["status"] != "failed" or report["fallback_accepted"]:
+        return None
+    error = [line.strip() for line in report["error"].splitlines() if line.strip()]  # a task's traceback: its end
+    why = error[-1][:500] if error else "no error recorded"
+    return (f"--bank auto: the calibration failed ({why}); every row was still decoded and written, with "
+            f"{report['fallback']} instead of a calibrated bank, which may be slower. Fix the cause and run again "
+            "(--resume decodes only the rows not yet written), pass --bank FILE, or pass --allow-bank-fallback to "
+            "accept the fallback")
+
+
+def calibration_rows(auto: AutoBank) -> pa.Table | None:
+    """A greedy job's calibration rollouts as its output rows (the sample rows' own columns after them), or None."""
+    if not auto.records:
+        return None
+    position = {row_id: k for k, row_id in enumerate(auto.sample.column("id").to_pylist())}
+    sample = auto.sample.take(pa.array([position[r["id"]] for r in auto.records], pa.int64()))
+    passthrough = sample.drop_columns([c for c in ROW_COLUMNS if c in sample.column_names])
+    return output_table(passthrough, auto.records)
+
+
 # ---- on the worker ---------------------------------------------------------------------------------
 
 class _Stages:
@@ -198,10 +342,11 @@ def calibrate_on_worker(model_cfg: dict, decoding: dict, threads: int, rows: lis
     torch.set_num_threads(max(1, threads))
     model = ModelConfig(**model_cfg)
     job = DecodingConfig(**decoding)
-    drafting = Engine(model, DecodingConfig(policy="hydra", max_new_tokens=job.max_new_tokens,
-                                            max_input_tokens=job.max_input_tokens), concurrency=concurrency)
+    # fixed policies, no bank: the job's plan (the driver's) has checked the model and heads they decode with
+    drafting = Engine(model, fixed_plan(DecodingConfig(policy="hydra", max_new_tokens=job.max_new_tokens,
+                                                       max_input_tokens=job.max_input_tokens)), concurrency=concurrency)
     rollout, reused = rollout_decoding(job, str(drafting.loaded.device))
-    roller = Engine(model, rollout, stack=drafting.stack, concurrency=concurrency)
+    roller = Engine(model, fixed_plan(rollout), stack=drafting.stack, concurrency=concurrency)
     roller.actor_id = ACTOR_LABEL
     stages = _Stages(Location.of(work_uri))
     try:

@@ -30,8 +30,8 @@ from ray.data import SaveMode
 from entmtp_ray.config import JobConfig, PoolConfig
 from entmtp_ray.model.loading import cuda_problem
 from entmtp_ray.pipeline.placement import ActorPlacement, output_problem, read_mounts, spans_nodes
-from entmtp_ray.pipeline.autobank import data_identity
-from entmtp_ray.pipeline.processor import PROBE_PATIENCE_S, Processor, calibration_problem, calibration_rows
+from entmtp_ray.pipeline.autobank import calibration_problem, calibration_rows, data_identity
+from entmtp_ray.pipeline.processor import PROBE_PATIENCE_S, Processor
 from entmtp_ray.pipeline.sources import Location, Source
 from entmtp_ray.pipeline.streams import (JobLedger, TablePrompts, counted, drop_finished, on_this_node,
                                          finished_keys_task, read_here, read_prompts, sample, sample_here, scan_files,
@@ -80,8 +80,9 @@ def connect(job: JobConfig, processor: Processor, location: Location | None = No
     """Join job.address (or RAY_ADDRESS), else start a local Ray; decide the actors' GPUs and device (once per
     processor) and check that `location` is seen by every node that writes to it and, last (they may wait for
     the autoscaler), that torch can use a GPU where the actors will run and, with --dtype auto on CPU actors, which
-    dtype they compute in (Processor.ask_actors, which resolves the plan again). ValueError names the fix (the job
-    exits 2). `timeline`: unix times of the phases, added by name (ray_up, checks, dtype)."""
+    dtype they compute in (Processor.ask_actors): the facts the plan is resolved for, once, on its first use.
+    ValueError names the fix (the job exits 2). `timeline`: unix times of the phases, added by name (ray_up, checks,
+    dtype)."""
     timeline = {} if timeline is None else timeline
     fresh = processor.placement is None or not ray.is_initialized()
     placement, started_here = _place(job, processor) if fresh else (processor.placement, False)

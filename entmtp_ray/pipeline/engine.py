@@ -17,14 +17,13 @@ from typing import Iterable, Iterator
 
 from pydantic import ValidationError
 
-from entmtp_ray.calibrate.bank import Bank
 from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.decode.batch import BatchDecoder, Job
 from entmtp_ray.decode.acceptance import row_generator
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.results import GenerationResult
 from entmtp_ray.model.loading import LoadedModel
-from entmtp_ray.pipeline.assemble import Stack, fallback_warning, load_stack, resolve, warn_if_bank_elsewhere
+from entmtp_ray.pipeline.assemble import Plan, Stack, fallback_warning, load_stack, warn_if_bank_elsewhere
 from entmtp_ray.pipeline.records import RowContext, error_row, result_row
 from entmtp_ray.pipeline.sampling import explain, row_decoding, sample_key
 
@@ -162,33 +161,32 @@ class RowRequest:
 
 
 class Engine:
-    """`bank`: a bank in hand (a calibrated auto bank, from `bank_label`) instead of the file decoding.bank names;
-    `stack`: a loaded model (and heads) to share with another engine of the same model_cfg; `concurrency`: requests
-    decoded at once, by `run_many` on the calling thread or by `run` called from that many threads (a Batcher,
-    serving on `executor` when given); 1: each request decodes alone; `transformers_forward`: load_model's (False
-    where nothing will call transformers' forward on the engine's model: a job's actors)."""
+    """Decodes what `plan` says (assemble.resolve's, made by whoever runs the engine: a job's driver for its actors,
+    the CLI, the bank builder; the engine never resolves one); `stack`: a loaded model (and heads) to share with
+    another engine of the same model_cfg; `concurrency`: requests decoded at once, by `run_many` on the calling
+    thread or by `run` called from that many threads (a Batcher, serving on `executor` when given); 1: each request
+    decodes alone; `transformers_forward`: load_model's (False where nothing will call transformers' forward on the
+    engine's model: a job's actors)."""
 
-    def __init__(self, model_cfg: ModelConfig, decoding: DecodingConfig, bank: Bank | None = None,
-                 bank_label: str | None = None, stack: Stack | None = None, concurrency: int = 1,
+    def __init__(self, model_cfg: ModelConfig, plan: Plan, stack: Stack | None = None, concurrency: int = 1,
                  executor: TorchThread | None = None, transformers_forward: bool = True):
         self.model_cfg = model_cfg
         self.concurrency = concurrency
         self.startup: dict[str, float] = {}  # unix time each phase of the load ended (a job's start-up timeline)
-        resolved = resolve(model_cfg, decoding, bank=bank, bank_label=bank_label)
-        self.startup["bank"] = time.time()
-        if resolved.calibrate:
-            log.warning(fallback_warning(model_cfg, resolved.decoding, "this process calibrates no bank"))
-        self.decoding = resolved.decoding  # the policy that runs, never `auto`
-        if stack is not None and resolved.needs_heads and stack.drafter is None:
+        self.plan = plan
+        if plan.calibrate:
+            log.warning(fallback_warning(model_cfg, plan.decoding, "this process calibrates no bank"))
+        self.decoding = plan.decoding  # the policy that runs, never `auto`
+        if stack is not None and plan.needs_heads and stack.drafter is None:
             raise ValueError("the shared model was loaded without heads, which this policy drafts with")
-        self.stack = stack or load_stack(model_cfg, resolved.needs_heads, transformers_forward)
+        self.stack = stack or load_stack(model_cfg, plan.needs_heads, transformers_forward)
         self.loaded = self.stack.loaded
         self.startup["weights"] = time.time()
-        self.decoder = self.stack.decoder(resolved.policy, self.decoding)  # a static cache sized from the job
+        self.decoder = self.stack.decoder(plan.policy, self.decoding)  # a static cache sized from the job
         self.startup["decoder"] = time.time()
         self.batcher = Batcher(self.decoder, concurrency, executor) if concurrency > 1 else None
-        self.bank_label = resolved.bank_label
-        warn_if_bank_elsewhere(self.stack, resolved, concurrency)
+        self.bank_label = plan.bank_label
+        warn_if_bank_elsewhere(self.stack, plan, concurrency)
         self.actor_id: str | None = None  # set by the Ray actor that owns this engine
 
     @property

@@ -6,8 +6,10 @@ users put it inside their own pipelines:
     ds = ray.data.read_parquet("s3://bucket/questions/").rename_columns({"question": "prompt"})
     processor(ds).write_parquet("s3://bucket/labels/")
 
-Nothing algorithmic here: each actor of the pool wraps one engine.Engine. A broken config fails in
-build_processor, before any work; a bad row becomes a row with `error` set; an actor whose process is broken
+Nothing algorithmic here: each actor of the pool wraps one engine.Engine, built from the plan the driver resolved
+once (assemble.resolve: once the actors are placed and their dtype known, and once more with a bank a calibration
+hands it, pipeline/autobank.py); an actor never resolves one. A broken config fails in build_processor, before any
+work; a bad row becomes a row with `error` set; an actor whose process is broken
 (out of memory, a CUDA device error) exits, and Ray Data restarts it and retries its rows. The GPUs an actor
 reserves and the device it loads on follow pipeline/placement.py, from the cluster's GPUs when the stage is
 first applied (the job decides it earlier, in dataplane.connect); an actor given a GPU it cannot use fails.
@@ -19,43 +21,34 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
-from entmtp_ray.calibrate.bank import Actors, Bank
-from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig, ProcessorConfig
+from entmtp_ray.calibrate.bank import Actors
+from entmtp_ray.config import ModelConfig, PoolConfig, ProcessorConfig
 from entmtp_ray.model.loading import cuda_problem
-from entmtp_ray.pipeline.assemble import actors_here, fallback_warning, resolve
-from entmtp_ray.pipeline.autobank import (BANK_FILE, AutoBank, bank_key, cache_roots, calibrate_on_worker,
-                                          data_identity, find_cached, key_name, probe_hardware, store)
+from entmtp_ray.pipeline import autobank
+from entmtp_ray.pipeline.assemble import AUTO_BANK, Plan, actors_here, check, resolve
+from entmtp_ray.pipeline.autobank import AutoBank, probe_hardware
 from entmtp_ray.pipeline.engine import EngineBroken, TorchThread
 from entmtp_ray.pipeline.placement import ActorPlacement, check_device, place_actors
 from entmtp_ray.pipeline.records import output_table
-from entmtp_ray.pipeline.sampling import SAMPLE_INDEX, SAMPLING, expand, sample_key
-from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS, PromptSpec, standardize
+from entmtp_ray.pipeline.sampling import ROW_COLUMNS, SAMPLE_INDEX, SAMPLING, expand
+from entmtp_ray.pipeline.tasks import PromptSpec, standardize
 
 log = logging.getLogger(__name__)
 
 PROBE_PATIENCE_S = 60  # between warnings while a probe task waits for a node (the autoscaler may be adding one)
 
-ROW_COLUMNS = (*INTERNAL_COLUMNS, SAMPLE_INDEX, SAMPLING)  # what the actor reads of a row; not passed through
-
-# Fault injection for the exactly-once tests: the actor that meets this row id (or sample key) fails, once (the
-# marker file records that it happened): it exits abruptly (kind `exit`), or its engine reports
-# itself broken (kind `broken`, as an out-of-memory error would).
-FAULT_ROW_ENV = "ENTMTP_FAULT_EXIT_ON_ROW"
-FAULT_MARKER_ENV = "ENTMTP_FAULT_MARKER"
-FAULT_KIND_ENV = "ENTMTP_FAULT_KIND"
-
 
 class GenerateActor:
-    """Callable class for map_batches: loads model, heads and policy once, then decodes row by row."""
+    """Callable class for map_batches: loads model, heads and policy once, as the driver's `plan` says, then decodes
+    row by row."""
 
-    def __init__(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None = None,
-                 bank_label: str | None = None, concurrency: int = 1, ledger: "ray.actor.ActorHandle | None" = None):
+    def __init__(self, model_cfg: dict, plan: Plan, threads: int, concurrency: int = 1,
+                 ledger: "ray.actor.ActorHandle | None" = None):
         import psutil  # Ray's own copy (ray/thirdparty_files), on the path of every Ray worker
 
         # this actor's start-up timeline (unix seconds by phase), reported to the job's JobLedger when given
@@ -66,10 +59,9 @@ class GenerateActor:
             # Batcher, which decodes them together on the thread that loaded the model (all torch work of the
             # process on one thread, engine.Batcher)
             self.torch_thread = TorchThread()
-            self.engine = self.torch_thread.submit(self._load, model_cfg, decoding, threads, bank, bank_label,
-                                                   concurrency).result()
+            self.engine = self.torch_thread.submit(self._load, model_cfg, plan, threads, concurrency).result()
         else:
-            self.engine = self._load(model_cfg, decoding, threads, bank, bank_label, 1)
+            self.engine = self._load(model_cfg, plan, threads, 1)
         self._mark("ready")
 
     def _mark(self, phase: str) -> None:
@@ -80,8 +72,7 @@ class GenerateActor:
             if phase == "ready" and self.engine.decoder.costs:
                 self.ledger.note.remote(actor, "step_costs", self.engine.decoder.costs)
 
-    def _load(self, model_cfg: dict, decoding: dict, threads: int, bank: str | None, bank_label: str | None,
-              concurrency: int):
+    def _load(self, model_cfg: dict, plan: Plan, threads: int, concurrency: int):
         import torch
 
         from entmtp_ray.model.attention import DTYPES, fixed_order_ready
@@ -91,9 +82,8 @@ class GenerateActor:
         if model_cfg["device"] == "cuda":
             check_assigned_gpu()
         torch.set_num_threads(max(1, threads))
-        calibrated = Bank.model_validate_json(bank) if bank else None  # an auto bank, as the job calibrated it
-        engine = Engine(ModelConfig(**model_cfg), DecodingConfig(**decoding), calibrated, bank_label,
-                        concurrency=concurrency, executor=self.torch_thread, transformers_forward=False)
+        engine = Engine(ModelConfig(**model_cfg), plan, concurrency=concurrency, executor=self.torch_thread,
+                        transformers_forward=False)
         self.marks.update(engine.startup)
         engine.actor_id = ray.get_runtime_context().get_actor_id()
         if engine.loaded.device.type == "cpu" and engine.loaded.dtype in DTYPES:
@@ -115,7 +105,6 @@ class GenerateActor:
             messages = json.loads(row["_messages"]) if row["_messages"] else None
             overrides = json.loads(row[SAMPLING]) if row[SAMPLING] else None
             try:
-                _maybe_fault(row["id"], index)
                 rows.append(self.engine.run(row["id"], row["prompt"], messages, index, overrides))
             except EngineBroken:
                 # this actor is unusable: end it, and Ray Data restarts it and retries the block
@@ -134,45 +123,42 @@ def check_assigned_gpu() -> None:
                            f"Ray, but {problem}")
 
 
-def _maybe_fault(row_id: str | None, sample_index: int = 0) -> None:
-    target, marker = os.environ.get(FAULT_ROW_ENV), os.environ.get(FAULT_MARKER_ENV)
-    if target and marker and target in (row_id, sample_key(row_id, sample_index)) and not os.path.exists(marker):
-        Path(marker).write_text(str(os.getpid()))
-        if os.environ.get(FAULT_KIND_ENV, "exit") == "broken":
-            raise EngineBroken(f"row {row_id}: injected fault")
-        os._exit(1)
-
-
 class Processor:
-    """The generation stage of one configuration; call it on a Dataset of prompts."""
+    """The generation stage of one configuration; call it on a Dataset of prompts. `actor`: the pool's callable
+    class (GenerateActor, or a subclass of it: the tests' faulty actors)."""
 
-    def __init__(self, config: ProcessorConfig):
+    def __init__(self, config: ProcessorConfig, actor: type = GenerateActor):
         self.config = config  # as the user gave it; what runs is self.plan
-        # a broken config fails here, before any work; the plan that runs is resolved again once the actors are
-        # placed (place), when whether the default's shipped bank suits them is known
-        self.plan = resolve(config.model, config.decoding)
-        self.bank_json: str | None = None  # a calibrated auto bank, for the actors
+        check(config.model, config.decoding)  # a broken config fails here, before any work
         check_device(config.model.device, config.pool.gpus_per_actor)
+        self.actor = actor
         self.spec = PromptSpec("dataset", None, config.decoding.task, config.prompt_column, config.id_column,
                                config.messages_column)
         self.placement: ActorPlacement | None = None  # decided once Ray is up (dataplane.connect, or generate)
         self._dtype: str | None = None  # the actors' (actors_dtype)
+        self._plan: Plan | None = None  # resolved once the actors' facts are known (`plan`)
         self.ledger = None  # a streams.JobLedger the actors report their start-up to (set by dataplane.run_job)
 
+    @property
+    def plan(self) -> Plan:
+        """What the actors run (assemble.resolve), resolved once, on first use, for the actors as placed (`place`)
+        with the dtype they compute in (`ask_actors`): the shipped bank's variant that suits them, or a bank the
+        job calibrates when none does; resolved again only with a bank a calibration hands it (`calibrate`). Raises,
+        placing nothing, when the plan fails."""
+        if self._plan is None:
+            self.ask_actors()
+            self._plan = resolve(self.config.model, self.config.decoding, self.actors())
+            if self._plan.calibrate and self.config.decoding.bank != AUTO_BANK:
+                log.warning("--bank auto: %s", self._plan.source)
+        return self._plan
+
     def place(self) -> ActorPlacement:
-        """The actors' GPUs and device on the connected Ray cluster (placement.place_actors), decided once, and the
-        plan for those actors (assemble.resolve: --quantize on their device; the default's shipped bank may not
-        suit them, and is then calibrated afresh). Raises, placing nothing, when the plan fails."""
+        """The actors' GPUs and device on the connected Ray cluster (placement.place_actors), decided once."""
         if self.placement is None:
             if not ray.is_initialized():
                 ray.init()  # as Ray Data itself would, when the dataset first runs
             gpus = ray.cluster_resources().get("GPU", 0.0)
-            placement = place_actors(self.config.model.device, self.config.pool.gpus_per_actor, gpus)
-            if self.bank_json is None:  # a calibrated bank stays
-                before, self.plan = self.plan, resolve(self.config.model, self.config.decoding, self.actors(placement))
-                if self.plan.calibrate and not before.calibrate:
-                    log.warning("the default bank does not suit the actors: %s", self.plan.source)
-            self.placement = placement
+            self.placement = place_actors(self.config.model.device, self.config.pool.gpus_per_actor, gpus)
         return self.placement
 
     def actors(self, placement: ActorPlacement | None = None) -> Actors:
@@ -192,25 +178,21 @@ class Processor:
 
     def ask_actors(self, local: bool = False) -> None:
         """With --dtype auto on CPU actors, ask a Ray task with an actor's CPUs which dtype it picks there (once per
-        job; on an autoscaling cluster it waits for a node, so the job's checks run first), and resolve the plan
-        again with it: the default bank's variant for that dtype, or a calibrated bank when none ships. `local`: the
-        cluster is a local Ray this process started, so the actors' CPU is this one and nothing need be asked."""
+        job; on an autoscaling cluster it waits for a node, so the job's checks run first); the plan is resolved
+        with it. `local`: the cluster is a local Ray this process started, so the actors' CPU is this one and
+        nothing need be asked."""
         placement, model, pool = self.place(), self.config.model, self.config.pool
         if self._dtype is not None or placement.device.startswith("cuda") or model.dtype != "auto":
             return
         if local:  # no worker process to start (and torch to import) for the question
             self._dtype = actors_here(model, on_gpu=False).dtype
-        else:
-            probe = ray.remote(probe_hardware).options(num_cpus=pool.cpus_per_actor).remote(
-                model.model_dump() | {"device": "cpu"}, int(pool.cpus_per_actor), pool.concurrent_requests)
-            while not ray.wait([probe], timeout=PROBE_PATIENCE_S)[0]:
-                log.warning("waiting for a node with %g free CPUs to ask which dtype --dtype auto picks there (the "
-                            "autoscaler may be starting one)", pool.cpus_per_actor)
-            self._dtype = ray.get(probe).dtype
-        if self.bank_json is None:  # a calibrated bank stays
-            before, self.plan = self.plan, resolve(model, self.config.decoding, self.actors(placement))
-            if self.plan.calibrate and not before.calibrate:
-                log.warning("the default bank does not suit the actors: %s", self.plan.source)
+            return
+        probe = ray.remote(probe_hardware).options(num_cpus=pool.cpus_per_actor).remote(
+            model.model_dump() | {"device": "cpu"}, int(pool.cpus_per_actor), pool.concurrent_requests)
+        while not ray.wait([probe], timeout=PROBE_PATIENCE_S)[0]:
+            log.warning("waiting for a node with %g free CPUs to ask which dtype --dtype auto picks there (the "
+                        "autoscaler may be starting one)", pool.cpus_per_actor)
+        self._dtype = ray.get(probe).dtype
 
     def __call__(self, dataset: "ray.data.Dataset") -> "ray.data.Dataset":
         """`dataset` rows with a prompt (or messages) column -> rows with the output columns added (the
@@ -224,103 +206,25 @@ class Processor:
         """The stage on rows that already hold the prompt columns (tasks.standardize's output). With an auto bank
         not yet calibrated, this calibrates it first, on the first rows (`calibrate`)."""
         samples = self.expand(prompts)
-        self.place()  # resolves the plan for the placed actors: it may calibrate a bank
-        self.ask_actors()  # and their dtype, where --dtype auto leaves it to their host
         if self.plan.calibrate:
             self.calibrate(samples)
         return self.decode(samples)
 
-    # ---- --bank auto ----------------------------------------------------------------------------------
-
     def calibrate(self, samples: "ray.data.Dataset", output: str | None = None,
                   data: tuple[str, str] | None = None) -> AutoBank:
-        """Give an auto bank to this stage's actors: the cached one for this key, else one calibrated on the first
-        --calibration-prompts eligible rows of `samples` (expanded rows: no input error, sample 0, no row
-        sampling_params) by a Ray task with an actor's CPUs and GPUs (pipeline/autobank.py), when the job has
-        CALIBRATION_SHARE times as many rows (else the fallback decodes them, and the report says why). `output`:
-        the job's output, whose `_banks` folder caches it first; `data`: (label, fingerprint) of the job's input
-        (default: the task, else the sampled prompts). A failed calibration leaves the fallback in place, with a
-        warning, and says so in the report (`calibration_problem`); with no row left to decode (--resume) there is
-        nothing to calibrate for. Returns the bank, the rollouts a greedy job writes as its rows (with their sample rows),
-        and the report."""
-        started = time.time()
-        calibration, pool, placement = self.config.calibration, self.config.pool, self.place()
-        model = self.config.model.model_dump() | {"device": placement.device}
-        threads = max(1, int(pool.cpus_per_actor))
-        resources = {"num_cpus": pool.cpus_per_actor, "num_gpus": placement.gpus}
-        concurrency = pool.concurrent_requests
-        hardware = ray.get(ray.remote(probe_hardware).options(**resources).remote(model, threads, concurrency))
-        roots = cache_roots(calibration, output)
-        taken = None
-        if data is None and not self.plan.requested.task:
-            taken = calibration_sample(samples, calibration.calibration_prompts)
-            data = data_identity(None, prompts=taken[1])
-        label, fingerprint = data or data_identity(self.plan.requested.task)
-        key = bank_key(self.config.model, fingerprint, hardware, calibration)
-        name = key_name(key, label)
-        report = {"status": "cached", "key": name, "hardware": hardware.describe(), "prompts": 0, "rows_reused": 0}
-        found = find_cached(roots, name)
-        if found:
-            return self._calibrated(AutoBank(found[0], found[1], report), started)
-        sample, rows, read = taken or calibration_sample(samples, calibration.calibration_prompts)
-        if not read:  # every row already written (--resume): none decodes, with a bank or without
-            report.update(status="skipped", reason="no row of the job is left to decode")
-            return self._calibrated(AutoBank(None, None, report), started)
-        if read < CALIBRATION_SHARE * calibration.calibration_prompts:
-            running = self.plan.decoding
-            report.update(status="skipped", fallback=running.bank or running.policy,
-                          reason=f"the job has {read} rows to decode, fewer than {CALIBRATION_SHARE} x "
-                          f"--calibration-prompts ({calibration.calibration_prompts}): a bank calibrated on a share "
-                          "that large would not pay back its calibration; the rows decode with the fallback. Pass "
-                          "--calibration-prompts N for a smaller sample, or --bank FILE")
-            log.warning("--bank auto: not calibrating: %s (%s)", report["reason"], report["fallback"])
-            return self._calibrated(AutoBank(None, None, report), started)
-        if not rows:
-            report.update(status="failed", error=f"none of the job's first {read} rows decodes as the job does "
-                          "(each has an input error, or sampling_params of its own), so none can be calibrated on")
-            return self._calibrated(AutoBank(None, None, report), started)
-        report.update(status="built", prompts=len(rows))
-        work = roots[0].sub(name).sub("work")
-        log.warning("--bank auto: calibrating a bank on %d of the job's prompts (%s; stages in %s)", len(rows),
-                    report["hardware"], work.uri)
-        task = ray.remote(calibrate_on_worker).options(**resources, max_retries=1)
-        try:
-            result = ray.get(task.remote(model, self.plan.requested.model_dump(), threads, rows, work.uri,
-                                         f"{label}-auto", calibration.calibration_budget, label, concurrency))
-        except Exception as exc:  # noqa: BLE001 - a failed calibration falls back, it never ends the job
-            report.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
-            return self._calibrated(AutoBank(None, None, report), started)
-        report["stage_seconds"] = {k: round(v, 1) for k, v in result["seconds"].items()}
-        auto = AutoBank(None, None, report, result["records"], sample if result["records"] else None)
-        if result["bank"] is None:
-            report.update(status="failed", error=result["error"])
-            return self._calibrated(auto, started)
-        stored = [root for root in roots if store(root, name, result["bank"], key)]
-        auto.bank = Bank.model_validate_json(result["bank"])
-        auto.label = f"{(stored[0] if stored else roots[0]).sub(name).uri}/{BANK_FILE}"
-        return self._calibrated(auto, started)
-
-    def _calibrated(self, auto: AutoBank, started: float) -> AutoBank:
-        """Re-plan with the calibrated bank (or keep the fallback, with a warning when it failed) and finish the
-        report."""
-        report = auto.report
+        """An auto bank for this stage's actors (autobank.calibrate: cached, or calibrated on the first rows of
+        `samples` by a Ray task with an actor's CPUs and GPUs), and the plan resolved again with it; a failed or
+        skipped calibration leaves the plan's fallback running."""
+        auto = autobank.calibrate(self.config, self.plan, self.place().device, self._on_worker, samples, output, data)
         if auto.bank is not None:
-            self.plan = resolve(self.config.model, self.config.decoding, self.actors(), bank=auto.bank,
-                                bank_label=auto.label)
-            self.bank_json = auto.bank.model_dump_json()
-            policy = auto.bank.policy
-            switching = policy.signals[policy.signal]
-            report.update(bank=auto.label, star=policy.star, trees={t.name: t.nodes for t in auto.bank.trees},
-                          selection=auto.bank.selection.reason if auto.bank.selection else None,
-                          # None: no signal's switching gained enough over the star, and entmtp-tau runs the star
-                          signal=policy.signal if switching.conservative != switching.aggressive else None)
-        elif report["status"] == "failed":
-            running = self.plan.decoding
-            report.update(fallback=running.bank or running.policy,
-                          fallback_accepted=self.config.calibration.allow_bank_fallback)
-            log.warning(fallback_warning(self.config.model, running, f"calibration failed ({report['error']})"))
-        report["seconds"] = round(time.time() - started, 1)
+            self._plan = resolve(self.config.model, self.config.decoding, self.actors(), bank=auto.bank,
+                                 bank_label=auto.label)
         return auto
+
+    def _on_worker(self, fn, *args, retries: int = 0):
+        """fn(*args) run as a Ray task with an actor's CPUs and GPUs (where an actor would run), and its result."""
+        resources = {"num_cpus": self.config.pool.cpus_per_actor, "num_gpus": self.place().gpus}
+        return ray.get(ray.remote(fn).options(**resources, max_retries=retries).remote(*args))
 
     def expand(self, prompts: "ray.data.Dataset") -> "ray.data.Dataset":
         """Prompt rows -> one row per sample, their sampling_params checked (pipeline/sampling.py)."""
@@ -329,14 +233,12 @@ class Processor:
 
     def decode(self, samples: "ray.data.Dataset") -> "ray.data.Dataset":
         """The actor pool over expanded rows (`expand`'s output): one output row per sample."""
-        pool, placement = self.config.pool, self.place()
+        pool, placement, plan = self.config.pool, self.place(), self.plan
         DataContext.get_current().max_errored_blocks = 0  # never drop a failed block silently
         return samples.repartition(target_num_rows_per_block=pool.rows_per_block).map_batches(
-            GenerateActor,
+            self.actor,
             fn_constructor_kwargs={"model_cfg": self.config.model.model_dump() | {"device": placement.device},
-                                   "decoding": self.plan.decoding.model_dump(),
-                                   "threads": max(1, int(pool.cpus_per_actor)),
-                                   "bank": self.bank_json, "bank_label": self.plan.bank_label,
+                                   "plan": plan, "threads": max(1, int(pool.cpus_per_actor)),
                                    "concurrency": pool.concurrent_requests, "ledger": self.ledger},
             batch_size=1,
             batch_format="pyarrow",
@@ -356,56 +258,11 @@ def actor_pool(pool: PoolConfig) -> ActorPoolStrategy:
                              max_concurrent_calls_per_actor=k, enable_true_multi_threading=True)
 
 
-# --bank auto calibrates on at most 1 / CALIBRATION_SHARE of the job's rows: on fewer, its rollouts (decoded as AR)
-# and its build would cost more than the bank saves on the rest (issue 40: 40 rows, 40 rollouts, a bank no row used)
-CALIBRATION_SHARE = 4
-
-
-def calibration_sample(samples: "ray.data.Dataset", count: int) -> tuple[pa.Table | None, list[dict], int]:
-    """The first `count` rows of `samples` (expanded rows) that a calibration may decode as the job would: no input
-    error, the first sample of its prompt, no sampling_params of its own; as a table, and as the {id, prompt,
-    messages} the calibration task takes; and how many rows were read for them (0, and no table: `samples` has no
-    row). Reads only the first blocks."""
-    read = CALIBRATION_SHARE * count
-    first = samples.limit(read).iter_batches(batch_size=read, batch_format="pyarrow", prefetch_batches=0)
-    rows = next(iter(first), None)  # a few more than `count`, for the rows that do not qualify
-    if rows is None:
-        return None, [], 0
-    keep = [i for i, (error, index, own) in enumerate(zip(*(rows.column(c).to_pylist() for c in
-            ("_input_error", SAMPLE_INDEX, SAMPLING)))) if not error and index == 0 and not own][:count]
-    sample = rows.take(pa.array(keep, pa.int64()))
-    prompts = [{"id": r["id"], "prompt": r["prompt"], "messages": r["_messages"]}
-               for r in sample.select(["id", "prompt", "_messages"]).to_pylist()]
-    return sample, prompts, rows.num_rows
-
-
-def calibration_problem(report: dict | None) -> str | None:
-    """A calibration report's failure that the user did not accept (--allow-bank-fallback), as one line: the error,
-    what decoded the rows instead, and the fixes; None when the job has nothing to report."""
-    if not report or report["status"] != "failed" or report["fallback_accepted"]:
-        return None
-    error = [line.strip() for line in report["error"].splitlines() if line.strip()]  # a task's traceback: its end
-    why = error[-1][:500] if error else "no error recorded"
-    return (f"--bank auto: the calibration failed ({why}); every row was still decoded and written, with "
-            f"{report['fallback']} instead of a calibrated bank, which may be slower. Fix the cause and run again "
-            "(--resume decodes only the rows not yet written), pass --bank FILE, or pass --allow-bank-fallback to "
-            "accept the fallback")
-
-
-def calibration_rows(auto: AutoBank) -> pa.Table | None:
-    """A greedy job's calibration rollouts as its output rows (the sample rows' own columns after them), or None."""
-    if not auto.records:
-        return None
-    position = {row_id: k for k, row_id in enumerate(auto.sample.column("id").to_pylist())}
-    sample = auto.sample.take(pa.array([position[r["id"]] for r in auto.records], pa.int64()))
-    passthrough = sample.drop_columns([c for c in ROW_COLUMNS if c in sample.column_names])
-    return output_table(passthrough, auto.records)
-
-
-def build_processor(config: ProcessorConfig | dict | None = None) -> Processor:
-    """The generation stage for `config` (a ProcessorConfig or its dict); see the module docstring."""
+def build_processor(config: ProcessorConfig | dict | None = None, actor: type = GenerateActor) -> Processor:
+    """The generation stage for `config` (a ProcessorConfig or its dict); see the module docstring. `actor`: the
+    pool's callable class (a subclass of GenerateActor)."""
     if config is None:
         config = ProcessorConfig()
     elif isinstance(config, dict):
         config = ProcessorConfig(**config)
-    return Processor(config)
+    return Processor(config, actor)

@@ -21,10 +21,12 @@ import pyarrow.compute as pc
 from pydantic import ValidationError
 
 from entmtp_ray.config import DecodingConfig, SamplingParams
+from entmtp_ray.pipeline.tasks import INTERNAL_COLUMNS
 
 SAMPLING_COLUMN = "sampling_params"
 SAMPLE_INDEX = "_sample_index"
 SAMPLING = "_sampling"  # the row's overrides as JSON text, checked (null: the job's settings)
+ROW_COLUMNS = (*INTERNAL_COLUMNS, SAMPLE_INDEX, SAMPLING)  # what an actor reads of an expanded row; not passed through
 # the settings a row may set: a request's own (SamplingParams); vLLM's `max_tokens` is read as max_new_tokens
 SAMPLING_KEYS = tuple(SamplingParams.model_fields)
 ALIASES = {"max_tokens": "max_new_tokens"}

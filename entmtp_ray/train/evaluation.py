@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from entmtp_ray.config import DecodingConfig, ModelConfig
+from entmtp_ray.pipeline.assemble import resolve
 from entmtp_ray.pipeline.engine import Engine
 from entmtp_ray.pipeline.tasks import load_prompts
 
@@ -67,7 +68,7 @@ def eval_heads(model_cfg: ModelConfig, tasks: list[str], limit: int, tree: str, 
                max_new_tokens: int, heldout: int, seed: int = 123, datasets: dict | None = None) -> dict:
     """The full report: held-out per-head top-1 and, per task and temperature, tau with `tree`."""
     base = DecodingConfig(policy="fixed", tree=tree, max_new_tokens=max_new_tokens, seed=seed)
-    engine = Engine(model_cfg, base)
+    engine = Engine(model_cfg, resolve(model_cfg, base))
     engine.warm_up()
     report = {"model": model_cfg.model, "heads": engine.heads_label, "tree": tree,
               "max_new_tokens": max_new_tokens, "subset": "eval", "tau": []}

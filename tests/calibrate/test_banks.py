@@ -182,14 +182,14 @@ def test_bank_policies_adapt_among_the_banks_smaller_trees_unless_told_not_to():
 @pytest.mark.parametrize("policy", ["entmtp-star", "entmtp-ladder", "entmtp-tau"])
 def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path, policy):
     from entmtp_ray.config import DecodingConfig, ModelConfig
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
 
     model_dir, heads_dir = tiny_model_dirs
     model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
     from entmtp_ray.calibrate.rollouts import measure_rollout
 
-    reference = Engine(model_cfg, DecodingConfig(policy="ar", max_new_tokens=40)).generate("r", "Write a poem.")
-    engine = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=40))  # its heads rank the drafts
+    reference = make_engine(model_cfg, DecodingConfig(policy="ar", max_new_tokens=40)).generate("r", "Write a poem.")
+    engine = make_engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=40))  # its heads rank the drafts
     ids = engine.encode("Write a poem.")
     seen = sorted(measure_rollout(engine.decoder, ids + reference.output_token_ids, len(ids), (16, 8, 8, 8, 8)).entropy)
     q = [seen[int(f * (len(seen) - 1))] for f in (0.3, 0.4, 0.5, 0.6, 0.7)]
@@ -201,7 +201,7 @@ def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path,
                                                   aggressive="n5", tau_on=q[1], tau_off=q[3])
     path = tmp_path / "bank.json"
     save_bank(bank, path)
-    engine = Engine(model_cfg, DecodingConfig(policy=policy, bank=str(path), max_new_tokens=40))
+    engine = make_engine(model_cfg, DecodingConfig(policy=policy, bank=str(path), max_new_tokens=40))
     # the policy settled at the step costs measured here, on any of the bank's trees: each tree it runs is built
     assert engine.decoder.costs.startswith("step costs ")
     assert set(engine.decoder.policy.trees()) <= set(engine.decoder.buffers)

@@ -7,7 +7,7 @@ import torch
 
 from entmtp_ray.calibrate.rollouts import NOT_RANKED, rank_rows
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.pipeline.engine import Engine
+from helpers.engines import make_engine
 from entmtp_ray.calibrate.growth import AcceptanceTable
 from entmtp_ray.decode.tree import load_topology
 
@@ -36,7 +36,7 @@ def true_path_ranks(engine, seq, t, depth):
 
 def test_rank_rows_match_the_drafters_own_step_by_step_view(tiny_model_dirs):
     model_dir, heads_dir = tiny_model_dirs
-    engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
+    engine = make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
                     DecodingConfig(policy="hydra", max_new_tokens=12))
     result = engine.generate("r", "Tell me about rivers.")
     seq = result.prompt_token_ids + result.output_token_ids
@@ -60,7 +60,7 @@ def test_rank_rows_match_the_drafters_own_step_by_step_view(tiny_model_dirs):
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", ["hydra", "chain3"])
 def test_table_predicts_every_steps_accepted_length_with_shipped_heads(tree):
-    engine = Engine(ModelConfig(dtype="fp32", device="cpu"),
+    engine = make_engine(ModelConfig(dtype="fp32", device="cpu"),
                     DecodingConfig(policy="fixed", tree=tree, max_new_tokens=48))
     topology = load_topology(tree, max_depth=4)
     paths = set(topology.paths)
@@ -113,7 +113,7 @@ def test_replay_reproduces_greedy_decoding_of_a_switching_policy():
     from entmtp_ray.calibrate.growth import accepted_lengths, replay
     from entmtp_ray.decode.policy import HysteresisPolicy, make_signal
 
-    base = Engine(ModelConfig(dtype="fp32", device="cpu"), DecodingConfig(policy="hydra", max_new_tokens=64))
+    base = make_engine(ModelConfig(dtype="fp32", device="cpu"), DecodingConfig(policy="hydra", max_new_tokens=64))
     trees = [load_topology(name, max_depth=4) for name in ("chain3", "hydra")]
     policy = HysteresisPolicy("entmtp-tau", *trees, tau_on=0.6, tau_off=1.2,
                               signal=make_signal("entropy", beta=0.5, initial=1.0))
@@ -154,7 +154,7 @@ def test_cached_rank_tables_are_reused_only_for_the_same_heads(tiny_model_dirs, 
     heads = tmp_path / "heads"
     shutil.copytree(heads_dir, heads)
     cfg = ModelConfig(model=str(model_dir), heads=str(heads), dtype="fp32", device="cpu")
-    engine = Engine(cfg, DecodingConfig(policy="hydra", max_new_tokens=12))
+    engine = make_engine(cfg, DecodingConfig(policy="hydra", max_new_tokens=12))
     result = engine.generate("r", "Tell me about rivers.")
     rows = [CalibrationRow("r", "Tell me about rivers.", result.output_token_ids)]
     work = tmp_path / "work"
@@ -170,7 +170,7 @@ def test_cached_rank_tables_are_reused_only_for_the_same_heads(tiny_model_dirs, 
 
     weights = load_file(heads / "heads.safetensors")
     save_file({k: v + 0.5 * torch.randn_like(v) for k, v in weights.items()}, heads / "heads.safetensors")
-    retrained = Engine(cfg, DecodingConfig(policy="hydra", max_new_tokens=12))
+    retrained = make_engine(cfg, DecodingConfig(policy="hydra", max_new_tokens=12))
     with torch.inference_mode():
         again = measure_tables(retrained, rows, work)
     assert again[0].rows != saved["rollouts"][0]["rows"], "new heads in the same folder were measured afresh"
@@ -190,7 +190,7 @@ def test_a_bank_is_chosen_by_decoding_its_held_out_prompts(tiny_model_dirs, tmp_
     from entmtp_ray.pipeline.calibration import CalibrationRow, build_bank, split_held_out
 
     model_dir, heads_dir = tiny_model_dirs
-    engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
+    engine = make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
                     DecodingConfig(policy="hydra", max_new_tokens=16))
     prompts = [f"Tell me about {topic}." for topic in ("rivers", "owls", "tea", "maps", "salt", "ice", "clay", "wind")]
     rows = [CalibrationRow(f"p{k}", p, engine.generate(f"p{k}", p).output_token_ids) for k, p in enumerate(prompts)]

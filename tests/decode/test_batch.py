@@ -19,7 +19,7 @@ from entmtp_ray.decode.acceptance import row_generator
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import FixedTree, HysteresisPolicy, make_signal
 from entmtp_ray.decode.tree import chain_topology, load_topology, make_topology
-from entmtp_ray.pipeline.engine import Engine
+from helpers.engines import make_engine
 from helpers.oracle import BRANCHY_PATHS, PROMPT, OracleDrafter, rotating  # loaded, reference: decode/conftest.py
 
 
@@ -74,7 +74,7 @@ def test_each_request_decodes_in_a_batch_as_it_does_alone(loaded, reference, slo
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dirs):
     model_dir, heads_dir = tiny_model_dirs
-    return Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
+    return make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
                   DecodingConfig(policy="hydra", max_new_tokens=24))
 
 
@@ -119,7 +119,7 @@ def test_an_engine_with_concurrency_serves_callers_on_threads_as_one_batch(tiny_
     """The Ray actor's case: K calls at once (threads), each blocking on its row; rows equal the one-at-a-time
     engine's, and more callers than lanes wait their turn."""
     model_dir, heads_dir = tiny_model_dirs
-    engine = Engine(tiny_engine.model_cfg, tiny_engine.decoding, stack=tiny_engine.stack, concurrency=3)
+    engine = make_engine(tiny_engine.model_cfg, tiny_engine.decoding, stack=tiny_engine.stack, concurrency=3)
     rows: dict[str, dict] = {}
 
     def call(k: int):
@@ -153,7 +153,7 @@ def test_a_bank_built_at_a_concurrency_records_it_and_times_its_trees_batched(ti
     assert bank.hardware.concurrency == 2 and "2 concurrent requests" in bank.hardware.describe()
     timing = json.loads(next((tmp_path / "work" / "bank").glob("step_seconds-k2.json")).read_text())
     assert set(timing["steps"]) >= {t.name for t in bank.trees} and all(v > 0 for v in timing["steps"].values())
-    ar = Engine(ModelConfig(**model), DecodingConfig(policy="ar", max_new_tokens=10))
+    ar = make_engine(ModelConfig(**model), DecodingConfig(policy="ar", max_new_tokens=10))
     for row, record in zip(rows, result["records"]):  # rollouts decoded two at a time are still the AR rows
         assert record["output_token_ids"] == ar.generate(row["id"], row["prompt"]).output_token_ids
 
@@ -165,7 +165,7 @@ def test_the_embedded_model_in_bf16_batches_bit_for_bit_within_32_rows(policy, s
     two requests on the GSM8K bank's star tree, or four AR requests (4 rows each), stay within that, so the batch
     is bit for bit the lone decoding."""
     # the star tree itself (--no-adapt): which tree an adapting lane runs is its own test (test_decode_oracle.py)
-    engine = Engine(ModelConfig(dtype="bf16", device="cpu"),
+    engine = make_engine(ModelConfig(dtype="bf16", device="cpu"),
                     DecodingConfig(policy=policy, task="gsm8k", max_new_tokens=24, adapt=False))
     prompts = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?",

@@ -250,12 +250,12 @@ def test_a_job_with_a_stop_string_ends_each_row_at_it_on_the_embedded_model(tmp_
     import pyarrow.dataset as pads
 
     from entmtp_ray.config import ModelConfig
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
 
     # prompts where, with the shipped heads, one row's newline lands inside a Hydra step ('fruits': step 3 of 2-1-3)
     prompts = {"colours": "List three colours, one per line.", "fruits": "Name four fruits, one per line."}
     settings = dict(policy="hydra", max_new_tokens=24)
-    engine = Engine(ModelConfig(dtype="fp32", device="cpu"), DecodingConfig(**settings))
+    engine = make_engine(ModelConfig(dtype="fp32", device="cpu"), DecodingConfig(**settings))
     plain = {key: engine.generate(key, prompt) for key, prompt in prompts.items()}
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"id": k, "prompt": v}) + "\n"
                                                     for k, v in prompts.items()))

@@ -85,13 +85,14 @@ def environment(head, env: dict[str, str]):
         ray.init(address=head.address, log_to_driver=True)
 
 
-def run_here(args: list[str]) -> Finished:
+def run_here(args: list[str], actor: type | None = None) -> Finished:
     """The job of `args` (job_args' list, or the flags alone) run by jobs/generate.py's main in this process, on the
     Ray this process has joined (conftest's `ray_cluster`), or with none joined (a job that must fail before it
-    joins one). Only where the subprocess itself is what a test checks does it run the job as one (run_job)."""
+    joins one). Only where the subprocess itself is what a test checks does it run the job as one (run_job).
+    `actor`: the pool's actor class (helpers/faults.py's, to inject a fault)."""
     from entmtp_ray.jobs.generate import main
 
-    return run_main(main, list(args[len(JOB):] if args[:len(JOB)] == JOB else args))
+    return run_main(lambda argv: main(argv, actor), list(args[len(JOB):] if args[:len(JOB)] == JOB else args))
 
 
 def run_main(main, argv: list[str]) -> Finished:

@@ -86,7 +86,7 @@ def test_a_vicuna_shaped_model_and_its_heads_by_hub_id_decode_a_row(hub_cache, f
     """--model and --heads as hub ids through the whole engine: the model loads from its snapshot (as
     lmsys/vicuna-7b-v1.3 ships: a sentencepiece tokenizer.model only), takes the Vicuna chat format from its
     name, and rows name the heads by id and commit, the same on every node."""
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
 
     model_dir = make_sentencepiece_vicuna(tmp_path)
     heads_dir = tmp_path / "heads"
@@ -100,7 +100,7 @@ def test_a_vicuna_shaped_model_and_its_heads_by_hub_id_decode_a_row(hub_cache, f
     cache_repo(hub_cache, "owner/tiny-heads", heads_dir, commit="f" * 40)
     assert resolve_model_path("lmsys-test/tiny-vicuna") == str(model_snapshot)
 
-    engine = Engine(ModelConfig(model="lmsys-test/tiny-vicuna", heads="owner/tiny-heads", dtype="fp32",
+    engine = make_engine(ModelConfig(model="lmsys-test/tiny-vicuna", heads="owner/tiny-heads", dtype="fp32",
                                 device="cpu"), DecodingConfig(policy="hydra", max_new_tokens=8))
     assert engine.loaded.chat_format == "vicuna_v1.1"
     row = engine.run("r1", "What is 2+3?")

@@ -70,11 +70,11 @@ def test_what_the_containers_do_not_hold_goes_to_transformers(tmp_path):
 
 
 def test_an_engine_decodes_the_same_tokens_from_the_same_prompt_ids_either_way():
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
 
     decoding = DecodingConfig(task="humaneval", max_new_tokens=24)
-    ours = Engine(ModelConfig(), decoding, transformers_forward=False)
-    theirs = Engine(ModelConfig(), decoding)
+    ours = make_engine(ModelConfig(), decoding, transformers_forward=False)
+    theirs = make_engine(ModelConfig(), decoding)
     assert isinstance(ours.loaded.model, layers.CausalLM) and not isinstance(theirs.loaded.model, layers.CausalLM)
     path = loading.resolve_model_path(EMBEDDED_MODEL)
     reference = AutoTokenizer.from_pretrained(path)

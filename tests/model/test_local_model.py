@@ -8,7 +8,7 @@ import torch
 
 from entmtp_ray.decode.tree import load_topology
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.pipeline.engine import Engine
+from helpers.engines import make_engine
 from entmtp_ray.model.loading import VICUNA_SYSTEM, load_model
 from helpers.checkpoints import make_sentencepiece_vicuna
 
@@ -29,7 +29,7 @@ def test_vicuna_named_directory_uses_vicuna_template(local_dirs):
 def test_local_model_and_heads_greedy_equals_generate(local_dirs, policy):
     model_dir, heads_dir = local_dirs
     decoding = DecodingConfig(policy=policy, max_new_tokens=40)
-    engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"), decoding)
+    engine = make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"), decoding)
     ids = engine.encode("Write a poem.")
     want = engine.loaded.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=40)[0, len(ids):]
     row = engine.run("r1", "Write a poem.")
@@ -41,14 +41,15 @@ def test_local_model_and_heads_greedy_equals_generate(local_dirs, policy):
 def test_tree_deeper_than_heads_is_refused(local_dirs):
     model_dir, heads_dir = local_dirs
     with pytest.raises(ValueError, match=r"depth 5 but the heads draft at most 4"):
-        Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir)), DecodingConfig(policy="fixed", tree="chain5"))
+        make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir)),
+                    DecodingConfig(policy="fixed", tree="chain5"))
 
 
 def test_typical_sampling_reproduces_per_row_seed(local_dirs):
     model_dir, heads_dir = local_dirs
     model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
     decoding = DecodingConfig(policy="hydra", acceptance="typical", temperature=0.7, max_new_tokens=30, seed=5)
-    engine = Engine(model_cfg, decoding)
+    engine = make_engine(model_cfg, decoding)
     first = engine.run("row-a", "Tell me a story.")["output_token_ids"]
     assert engine.run("row-a", "Tell me a story.")["output_token_ids"] == first
     others = {tuple(engine.run(f"row-{k}", "Tell me a story.")["output_token_ids"]) for k in range(4)}
@@ -63,7 +64,7 @@ def test_trace_signal_records_the_running_entropy_before_each_step(local_dirs):
 
     model_dir, heads_dir = local_dirs
     model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
-    traced = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=30, trace_signal=True))
+    traced = make_engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=30, trace_signal=True))
     row = traced.run("r1", "Write a poem.")
     lengths, signals = row["step_accepted_lengths"], row["step_signals"]
     assert len(lengths) == len(signals) == row["steps"] and sum(lengths) == row["num_output_tokens"] - 1
@@ -81,7 +82,7 @@ def test_trace_signal_records_the_running_entropy_before_each_step(local_dirs):
             s = 0.9 * s + 0.1 * h
         seen += n
     assert signals == pytest.approx(want, abs=1e-4)
-    plain = Engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=30)).run("r1", "Write a poem.")
+    plain = make_engine(model_cfg, DecodingConfig(policy="hydra", max_new_tokens=30)).run("r1", "Write a poem.")
     assert plain["step_signals"] is None and plain["output_token_ids"] == out
 
 
@@ -96,7 +97,7 @@ def test_a_sentencepiece_only_tokenizer_loads_as_vicunas_does(tmp_path):
     ids = loaded.encode_prompt("What is 2+3?")
     assert ids[0] == 1 and loaded.tokenizer.decode(ids, skip_special_tokens=True).rstrip().endswith(
         "USER: What is 2+3? ASSISTANT:")
-    engine = Engine(ModelConfig(model=str(model_dir), dtype="fp32", device="cpu"),
+    engine = make_engine(ModelConfig(model=str(model_dir), dtype="fp32", device="cpu"),
                     DecodingConfig(policy="ar", max_new_tokens=8))
     row = engine.run("r", "What is 2+3?")
     assert row["error"] is None and row["num_output_tokens"] > 0

@@ -245,8 +245,8 @@ def test_device_auto_is_checked_again_once_placement_puts_the_actors_on_a_gpu(mo
     monkeypatch.setattr(stage.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(stage.ray, "cluster_resources", lambda: {"GPU": 1.0})
     with pytest.raises(ValueError, match="on cuda.*_weight_int8pack_mm"):
-        processor.place()
-    assert processor.placement is None
+        processor.plan  # resolved for the placed actors: on a GPU
+    assert processor.placement.device == "cuda" and processor._plan is None  # no plan to run
 
 
 # --- the real embedded model ---

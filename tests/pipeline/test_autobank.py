@@ -16,7 +16,7 @@ from entmtp_ray.config import CalibrationConfig, DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.assemble import AUTO_BANK, resolve
 from entmtp_ray.pipeline.autobank import (ACTOR_LABEL, bank_key, cache_roots, calibrate_on_worker, data_identity,
                                           find_cached, key_name, rollout_decoding, store)
-from entmtp_ray.pipeline.engine import Engine
+from helpers.engines import make_engine
 
 from helpers.banks import make_bank
 from helpers.jobs import job_args, read_output, run_here, write_prompts
@@ -139,7 +139,7 @@ def test_an_auto_bank_plans_its_fallback_until_calibrated(tiny_model_dirs, caplo
     with pytest.raises(ValueError, match="--policy ar reads none"):
         resolve(model, DecodingConfig(policy="ar", bank=AUTO_BANK))
     with caplog.at_level(logging.WARNING, logger="entmtp_ray.pipeline.engine"):
-        engine = Engine(model, DecodingConfig(max_new_tokens=4))  # a process that calibrates nothing
+        engine = make_engine(model, DecodingConfig(max_new_tokens=4))  # a process that calibrates nothing
     assert engine.decoding.policy == "hydra" and "this process calibrates no bank" in caplog.text
     assert "jobs/build_bank.py --task general --model" in caplog.text
 
@@ -152,7 +152,7 @@ def test_the_default_calibrates_for_actors_on_another_kind_of_device_than_the_sh
     def placed(decoding: DecodingConfig, device: str, quantize: str = "none", dtype: str = "bf16") -> Processor:
         processor = Processor(ProcessorConfig(decoding=decoding, model=ModelConfig(quantize=quantize, dtype=dtype)))
         placement = ActorPlacement(gpus=1.0 if device == "cuda" else 0.0, device=device, auto=True)
-        processor.plan = resolve(processor.config.model, processor.config.decoding, processor.actors(placement))
+        processor.placement = placement  # the plan is resolved for these actors on its first use
         return processor
 
     on_gpu = placed(DecodingConfig(task="gsm8k"), "cuda")  # the shipped GSM8K bank was timed on a CPU
@@ -195,7 +195,7 @@ def test_a_worker_calibrates_a_bank_from_its_rollouts_and_resumes_from_its_stage
     records = result["records"]
     assert [r["id"] for r in records] == [r["id"] for r in rows]  # the job's rows, the bad one as its error row
     assert records[-1]["error"] and all(r["actor_id"] == ACTOR_LABEL and r["policy"] == "ar" for r in records)
-    ar = Engine(ModelConfig(**model), DecodingConfig(policy="ar", max_new_tokens=10))
+    ar = make_engine(ModelConfig(**model), DecodingConfig(policy="ar", max_new_tokens=10))
     for row, record in zip(rows[:4], records):
         assert record["output_token_ids"] == ar.generate(row["id"], row["prompt"]).output_token_ids
 
@@ -233,7 +233,7 @@ def test_a_calibration_with_no_usable_prompt_reports_why_and_builds_nothing(tiny
 # ---- the job -------------------------------------------------------------------------------------------
 
 def ar_outputs(dirs, ids_prompts: dict[str, str], max_new_tokens: int = 12) -> dict[str, list[int]]:
-    engine = Engine(tiny(dirs), DecodingConfig(policy="ar", max_new_tokens=max_new_tokens))
+    engine = make_engine(tiny(dirs), DecodingConfig(policy="ar", max_new_tokens=max_new_tokens))
     return {i: engine.generate(i, p).output_token_ids for i, p in ids_prompts.items()}
 
 

@@ -97,6 +97,7 @@ def test_an_actor_given_a_gpu_torch_cannot_use_fails_naming_the_fix(tiny_model_d
     import ray
 
     from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.pipeline.assemble import fixed_plan
     from entmtp_ray.pipeline.processor import GenerateActor
 
     model_dir, heads_dir = tiny_model_dirs
@@ -105,7 +106,7 @@ def test_an_actor_given_a_gpu_torch_cannot_use_fails_naming_the_fix(tiny_model_d
     try:
         actor = ray.remote(num_cpus=1, num_gpus=1)(GenerateActor).remote(
             ModelConfig(model=str(model_dir), heads=str(heads_dir), device="cuda").model_dump(),
-            DecodingConfig(policy="ar").model_dump(), 1)
+            fixed_plan(DecodingConfig(policy="ar")), 1)
         with pytest.raises(ray.exceptions.ActorDiedError) as caught:
             ray.get(actor.__ray_ready__.remote(), timeout=120)
         message = str(caught.value)

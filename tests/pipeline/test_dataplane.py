@@ -103,7 +103,7 @@ def test_a_small_local_dataset_is_read_and_sampled_here_as_ray_tasks_read_and_sa
 def test_build_processor_runs_inside_a_users_dataset(ray_local, tiny_model_dirs):
     from entmtp_ray import ProcessorConfig, build_processor
     from entmtp_ray.config import DecodingConfig, ModelConfig, PoolConfig
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
     from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
 
     model_dir, heads_dir = tiny_model_dirs
@@ -117,7 +117,7 @@ def test_build_processor_runs_inside_a_users_dataset(ray_local, tiny_model_dirs)
     assert set(rows) == {"q0", "q1", "q2", "q3", "q4", "e"}
     assert set(OUTPUT_COLUMNS) <= set(rows["q0"]) and rows["q0"]["id"] is None
     assert "empty prompt" in rows["e"]["error"]
-    engine = Engine(model, decoding)
+    engine = make_engine(model, decoding)
     for i in range(5):
         assert list(rows[f"q{i}"]["output_token_ids"]) == engine.run(None, f"Write item number {i}.")["output_token_ids"]
 

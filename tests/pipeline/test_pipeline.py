@@ -4,8 +4,8 @@ exactly-once under actor death and node loss, resume without regeneration, confi
 The model is a tiny random Llama directory (tests/conftest.py) so that Ray, not decoding,
 dominates the time; test_job_submit.py runs the embedded model through `ray job submit`.
 
-Jobs run in this process on the session's shared Ray (tests/conftest.py), a fault injected through the
-environment of its workers (helpers.jobs.environment). A test that kills the driver or removes a node has a
+Jobs run in this process on the session's shared Ray (tests/conftest.py), a fault injected through the actor
+class the test passes to the job (helpers/faults.py). A test that kills the driver or removes a node has a
 Ray of its own under its own directory (RAY_TMPDIR, tests/helpers/raytools.py): after the test exactly its
 processes are stopped and checked gone; no other Ray on the machine is touched.
 """
@@ -25,7 +25,8 @@ import pytest
 from entmtp_ray.config import DecodingConfig, JobConfig, ModelConfig
 from entmtp_ray.pipeline.records import OUTPUT_COLUMNS
 from helpers import raytools
-from helpers.jobs import (environment, job_args, kept_torch_threads, read_output, readable_rows, run_here,
+from helpers.faults import faulty_actor
+from helpers.jobs import (job_args, kept_torch_threads, read_output, readable_rows, run_here,
                           write_prompts)
 
 
@@ -105,9 +106,8 @@ def test_actor_killed_mid_job_every_row_once(tiny_model_dirs, tmp_path, kind, ra
     CUDA error would: the actor ends itself), is restarted and its row retried: every row once."""
     data = write_prompts(tmp_path / "prompts.jsonl", 8)
     marker = tmp_path / "crashed"
-    env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q3", "ENTMTP_FAULT_MARKER": str(marker), "ENTMTP_FAULT_KIND": kind}
-    with environment(ray_cluster, env):
-        proc = run_here(job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "ar"))
+    args = job_args(tiny_model_dirs, data, tmp_path / "out", "--policy", "ar")
+    proc = run_here(args, faulty_actor("q3", marker, kind))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     ids = [r["id"] for r in read_output(tmp_path / "out")]
@@ -123,21 +123,19 @@ def test_concurrent_requests_write_the_rows_of_one_at_a_time_once_each_through_a
     and an actor that dies with rows in flight has every one of them retried, none twice."""
     import torch
 
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
 
     data = write_prompts(tmp_path / "prompts.jsonl", 10)
     model_dir, heads_dir = tiny_model_dirs
     with kept_torch_threads():
         torch.set_num_threads(1)  # an actor's threads: one per CPU it reserves (--cpus-per-actor 1)
-        engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir)),
+        engine = make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir)),
                         DecodingConfig(policy="hydra", max_new_tokens=12))
         want = {f"q{i}": engine.run(f"q{i}", f"Write item number {i} of a list.")["output_token_ids"]
                 for i in range(10)}
     marker = tmp_path / "crashed"
-    env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q4", "ENTMTP_FAULT_MARKER": str(marker), "ENTMTP_FAULT_KIND": "exit"}
     args = job_args(tiny_model_dirs, data, tmp_path / "many", "--policy", "hydra", "--concurrent-requests", "3")
-    with environment(ray_cluster, env):
-        many = run_here(args)
+    many = run_here(args, faulty_actor("q4", marker))
     assert many.returncode == 0, many.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     rows = read_output(tmp_path / "many")

@@ -55,10 +55,10 @@ PROMPT = "Write a poem."
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
 
     model_dir, heads_dir = tiny_model_dirs
-    return Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
+    return make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
                   DecodingConfig(policy="hydra", max_new_tokens=6))
 
 
@@ -185,10 +185,10 @@ def test_summary_figures_from_what_was_written(tmp_path):
 
 
 def test_an_ar_row_drafts_nothing_so_reports_no_positions_and_no_heads(tiny_model_dirs):
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
 
     model_dir, heads_dir = tiny_model_dirs
-    engine = Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
+    engine = make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
                     DecodingConfig(policy="ar", max_new_tokens=4))
     row = engine.run("r", PROMPT)
     assert row["accepted_per_position"] == [] and row["heads"] is None and row["mean_accepted_length"] == 1.0

@@ -16,7 +16,8 @@ from entmtp_ray.config import DecodingConfig, ModelConfig
 from entmtp_ray.pipeline.sampling import (SAMPLE_INDEX, SAMPLING, check_row, expand, output_keys, parse_overrides,
                                           row_decoding, sample_key)
 
-from helpers.jobs import environment, job_args, read_output, run_here
+from helpers.faults import faulty_actor
+from helpers.jobs import job_args, read_output, run_here
 
 
 # ---- the checks ------------------------------------------------------------------------------------
@@ -113,10 +114,10 @@ def test_sample_keys_are_unique_and_the_first_sample_keeps_the_row_id():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):
-    from entmtp_ray.pipeline.engine import Engine
+    from helpers.engines import make_engine
 
     model_dir, heads_dir = tiny_model_dirs
-    return Engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
+    return make_engine(ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu"),
                   DecodingConfig(policy="hydra", max_new_tokens=10))
 
 
@@ -158,9 +159,7 @@ def test_the_job_writes_n_samples_per_row_with_per_row_settings_once_under_a_fau
     marker = tmp_path / "crashed"
     args = job_args(tiny_model_dirs, data, out, "--policy", "hydra", "--temperature", "0.8", "--n", "2",
                     "--rows-per-file", "1")
-    env = {"ENTMTP_FAULT_EXIT_ON_ROW": "q5#1", "ENTMTP_FAULT_MARKER": str(marker)}
-    with environment(ray_cluster, env):
-        proc = run_here(args)
+    proc = run_here(args, faulty_actor("q5#1", marker))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
