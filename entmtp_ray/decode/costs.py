@@ -5,7 +5,8 @@ star by (docs/design.md §2, "Step costs measured where the job runs").
 A CostTable is one JSON file per machine and setting (its `key`: the CPU model and vector extensions or the GPU and
 its backend, the threads, the model, heads, dtype, weights and activations, the torch and package versions) under
 `costs_dir()`, holding seconds a step by tree shape: each tree is timed once on a machine, by the first job or bench
-that needs it, and every later one reads it."""
+that needs it, and every later one reads it. A tree that could not win at the costs the table knew is recorded as
+left out (no seconds), so that a later run knows the table has weighed it."""
 
 from __future__ import annotations
 
@@ -78,17 +79,24 @@ class CostTable:
         return data.get("trees", {})
 
     def seconds(self, tree: Topology) -> float | None:
+        """Seconds a step of `tree` here; None when it was never timed (not yet, or left out)."""
         entry = self.entries.get(shape_key(tree))
         return entry["seconds"] if entry else None
 
-    def add(self, measured: dict[Topology, tuple[float, int]]) -> None:
-        """Record each tree's (seconds a step, steps timed), and write the table, merged with what another process
-        on the machine wrote meanwhile."""
+    def covers(self, trees: list[Topology]) -> bool:
+        """Whether every tree of `trees` has been weighed here: timed, or left out as one that could not win."""
+        return all(shape_key(t) in self.entries for t in trees)
+
+    def add(self, measured: dict[Topology, tuple[float, int]], left_out: list[Topology] = ()) -> None:
+        """Record each tree's (seconds a step, steps timed), and the trees left out untimed, and write the table,
+        merged with what another process on the machine wrote meanwhile."""
         now = datetime.datetime.now().isoformat(timespec="seconds")
         fresh = {shape_key(t): {"name": t.name, "nodes": t.num_nodes, "seconds": s, "steps": n, "measured": now}
                  for t, (s, n) in measured.items()}
+        fresh.update({shape_key(t): {"name": t.name, "nodes": t.num_nodes, "seconds": None, "left_out": now}
+                      for t in left_out if shape_key(t) not in fresh})
         self.entries.update(fresh)
-        self.measured_now.update(fresh)
+        self.measured_now.update(k for k, entry in fresh.items() if entry["seconds"] is not None)
         if self.path is None:
             return
         try:
@@ -149,11 +157,12 @@ def step_seconds(decoder: SpecDecoder, trees: list[Topology], steps: int = 12, r
 def price(timer: Callable[[], SpecDecoder], trees: list[Topology], tau: dict[str, float], table: CostTable,
           steps: int = 12, rounds: int = 3, batch: int = 4) -> dict[str, float]:
     """Seconds a step of each of `trees`, from `table` where it has them; the others that may be chosen timed
-    through the decoder `timer` builds (only when one is to be timed) and added to the table. First roughly (2 steps, one round), `batch` trees at a time from the fewest
-    nodes up, leaving out a tree that could not come within CONTENDER of the fastest tokens a second (`tau[name]`
-    tokens a step) even at the cost of the dearest smaller tree plus half the growth a node the known trees show
+    through the decoder `timer` builds (only when one is to be timed) and added to the table. First roughly (2 steps,
+    one round), `batch` trees at a time from the fewest nodes up, leaving out a tree that could not come within
+    CONTENDER of the fastest tokens a second (`tau[name]` tokens a step) even at the cost of the dearest smaller tree plus half the growth a node the known trees show
     beyond it (a step costs more with more nodes); then again with `steps` and `rounds`, those within CONTENDER of
-    the fastest and the one-node tree every adaptive policy falls back to. Trees left out get no cost."""
+    the fastest and the one-node tree every adaptive policy falls back to. Trees left out get no cost, and the table
+    records them as left out."""
     decoder = functools.cache(timer)
     costs = {t.name: table.seconds(t) for t in trees if table.seconds(t) is not None}
     missing = sorted((t for t in dict.fromkeys(trees) if t.name not in costs), key=lambda t: t.num_nodes)
@@ -170,6 +179,7 @@ def price(timer: Callable[[], SpecDecoder], trees: list[Topology], tau: dict[str
         return tau.get(tree.name, 1.0) / floor < CONTENDER * fastest
 
     rough: dict[str, float] = {}
+    weighed = [t for t in missing if shape_key(t) not in table.entries]  # not yet timed, nor left out before
     while missing:
         now = [t for t in missing[:batch] if not hopeless(t)]
         missing = [t for t in missing[batch:] if not hopeless(t)]
@@ -181,9 +191,35 @@ def price(timer: Callable[[], SpecDecoder], trees: list[Topology], tau: dict[str
         again = [t for t in trees if t.name in rough and
                  (tau.get(t.name, 1.0) / rough[t.name] >= CONTENDER * fastest or t.num_nodes == 1)]
         precise = step_seconds(decoder(), again, steps, rounds) if again else {}
+    else:
+        precise = {}
+    left_out = [t for t in weighed if t.name not in rough]
+    if rough or left_out:
         table.add({t: (precise[t.name], steps * rounds) if t.name in precise else (rough[t.name], 2)
-                   for t in trees if t.name in rough})
+                   for t in trees if t.name in rough}, left_out)
     return {t.name: table.seconds(t) for t in trees if table.seconds(t) is not None}
+
+
+def _weighed_trees(policy: Adaptive) -> list[Topology]:
+    """The trees an adaptive policy weighs: those it runs and those it may settle on, where its bank costs them."""
+    return [t for t in dict.fromkeys([*policy.trees(), *policy.homes]) if t.name in policy.costs]
+
+
+def awaiting(policy: Policy, table: CostTable) -> str | None:
+    """Where `policy` adapts to content and `table` has not weighed every tree it weighs: a line saying that it runs
+    at its bank's costs until they are measured here (measure_costs, later); None where the table covers them, or
+    the policy does not adapt."""
+    if not isinstance(policy, Adaptive):
+        return None
+    trees = _weighed_trees(policy)
+    if table.covers(trees):
+        return None
+    unknown = sum(table.seconds(t) is None for t in trees)
+    where = table.path if table.path is not None else "memory"
+    return (f"step costs the bank's until measured here after the first row ({unknown} of {len(trees)} trees not in "
+            f"{where}): " + ", ".join(f"{t.name} {1e3 * policy.costs[t.name]:.1f} ms"
+                                      for t in sorted(policy.trees(), key=lambda t: policy.costs.get(t.name, 0.0))
+                                      if t.name in policy.costs))
 
 
 def measure_costs(policy: Policy, timer: Callable[[], SpecDecoder], table: CostTable | None = None) -> str | None:
@@ -194,7 +230,7 @@ def measure_costs(policy: Policy, timer: Callable[[], SpecDecoder], table: CostT
     if not isinstance(policy, Adaptive):
         return None
     table = table if table is not None else CostTable({}, None)
-    trees = [t for t in dict.fromkeys([*policy.trees(), *policy.homes]) if t.name in policy.costs]
+    trees = _weighed_trees(policy)
     before = policy.inner.trees()
     started = time.perf_counter()
     costs = price(timer, trees, policy.prior, table)

@@ -89,6 +89,7 @@ class SpecDecoder:
         self.static = static
         self.verifier: Verifier = DynamicVerifier(loaded.model)
         self.costs: str | None = None  # where an adaptive policy's step costs came from (decode/costs.py), when measured
+        self.costs_pending = False  # built at its bank's costs, none measured here yet (Engine.settle_costs)
         self.graphs = graphs
         if static:
             self._static(min(loaded.max_positions, capacity or STATIC_CAPACITY))

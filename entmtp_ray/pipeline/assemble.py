@@ -17,7 +17,7 @@ from entmtp_ray.assets import shipped_bank
 from entmtp_ray.calibrate.bank import (BANK_POLICIES, Actors, Bank, build_policy, current_hardware, default_bank_path,
                                        load_bank, resolve_bank_path, warn_if_other_hardware)
 from entmtp_ray.config import DecodingConfig, ModelConfig
-from entmtp_ray.decode.costs import CostTable, measure_costs
+from entmtp_ray.decode.costs import CostTable, awaiting, measure_costs
 from entmtp_ray.decode.drafting import HydraDrafter
 from entmtp_ray.decode.loop import SpecDecoder
 from entmtp_ray.decode.policy import Adaptive, Policy
@@ -205,12 +205,16 @@ class Stack:
     def max_depth(self) -> int:
         return self.drafter.max_depth if self.drafter is not None else 0
 
-    def decoder(self, policy: Policy, decoding: DecodingConfig | None = None) -> SpecDecoder:
+    def decoder(self, policy: Policy, decoding: DecodingConfig | None = None, defer_costs: bool = False
+                ) -> SpecDecoder:
         """A decoder for `policy` on this model; a policy that never drafts gets no drafter (no heads' work). With
         `decoding`, a static KV cache (CUDA) holds what its longest prompt allowed and its new tokens need
         (static.static_capacity), not the model's whole context. A policy that adapts to content gets its bank's
         trees' step costs on this machine (this machine's cost table, measured into it on first use) and settles at
-        them (decode/costs.py; the decoder's `costs` says where they came from)."""
+        them (decode/costs.py; the decoder's `costs` says where they came from). `defer_costs`: where the table
+        lacks some, the decoder runs at the bank's costs (`costs_pending`), and whoever runs it measures them later
+        by building it again without (Engine.settle_costs: after its first row, which the measuring never holds
+        back)."""
         def build(trees: list[Topology]) -> SpecDecoder:
             capacity = None if decoding is None else static_capacity(
                 decoding.max_input_tokens, decoding.max_new_tokens, max(t.num_nodes for t in policy.trees()),
@@ -224,6 +228,12 @@ class Stack:
         # timed through a decoder that drafts for every tree of the bank it may settle on (built only to time)
         if self.step_costs is None:
             self.step_costs = CostTable.open(cost_key(self))
+        pending = awaiting(policy, self.step_costs) if defer_costs else None
+        if pending is not None:
+            decoder = build(policy.trees())
+            decoder.costs, decoder.costs_pending = pending, True
+            log.info("%s: %s", policy.name, pending)
+            return decoder
         costs = measure_costs(policy, lambda: build([*policy.trees(), *policy.homes]), self.step_costs)
         log.info("%s: %s", policy.name, costs)
         decoder = build(policy.trees())  # the trees it settled on

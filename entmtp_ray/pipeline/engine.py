@@ -182,7 +182,10 @@ class Engine:
         self.stack = stack or load_stack(model_cfg, plan.needs_heads, transformers_forward)
         self.loaded = self.stack.loaded
         self.startup["weights"] = time.time()
-        self.decoder = self.stack.decoder(plan.policy, self.decoding)  # a static cache sized from the job
+        # a static cache sized from the job; one request at a time, step costs not measured here yet are measured
+        # after the first row (settle_costs), not before it
+        self.decoder = self.stack.decoder(plan.policy, self.decoding, defer_costs=concurrency == 1)
+        self.rows = 0  # rows run
         self.startup["decoder"] = time.time()
         self.batcher = Batcher(self.decoder, concurrency, executor) if concurrency > 1 else None
         self.bank_label = plan.bank_label
@@ -239,6 +242,9 @@ class Engine:
         or setting's ValueError says what is wrong); only a failure that means this process is broken (out of
         memory, a CUDA device error) raises, as EngineBroken. With a concurrency above 1, calls from several threads
         decode together (the Batcher)."""
+        if self.rows and self.decoder.costs_pending:
+            self.settle_costs()
+        self.rows += 1
         context, job, row = self._start(RowRequest(row_id, prompt, messages, sample_index, overrides))
         if row is not None:
             return row
@@ -247,6 +253,20 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - judged by _finish
             return self._finish(context, exc)
         return self._finish(context, result)
+
+    def settle_costs(self) -> None:
+        """The step costs the decoder was built without (none cached here: its bank's ran), measured now into this
+        machine's table; the policy settles at them and the decoder is built again over the trees it settled on,
+        then warmed up. `run` calls it before its second row, so that the first row is never held back by it."""
+        started = time.time()
+        try:
+            self.decoder = self.stack.decoder(self.plan.policy, self.decoding)
+        except Exception:  # noqa: BLE001 - never a row's failure: the bank's costs keep serving
+            log.exception("measuring the step costs failed; decoding goes on at the bank's")
+            self.decoder.costs_pending = False
+            return
+        self.warm_up()
+        log.info("step costs measured after the first row in %.1f s: %s", time.time() - started, self.decoder.costs)
 
     def run_many(self, requests: Iterable[RowRequest]) -> Iterator[tuple[int, dict]]:
         """(index in `requests`, output row) of each request as it finishes, up to `concurrency` decoded at once on

@@ -69,8 +69,17 @@ class GenerateActor:
         if phase in ("ready", "first_request") and self.ledger is not None:
             actor = ray.get_runtime_context().get_actor_id()
             self.ledger.started.remote(actor, dict(self.marks))
-            if phase == "ready" and self.engine.decoder.costs:
-                self.ledger.note.remote(actor, "step_costs", self.engine.decoder.costs)
+        if phase == "ready":
+            self.noted = None
+            self._note_costs()
+
+    def _note_costs(self) -> None:
+        """Where the decoder's step costs came from, to the job's ledger: at ready, and again when the engine has
+        measured them after its first row (Engine.settle_costs)."""
+        costs = self.engine.decoder.costs
+        if costs and costs != self.noted and self.ledger is not None:
+            self.ledger.note.remote(ray.get_runtime_context().get_actor_id(), "step_costs", costs)
+        self.noted = costs
 
     def _load(self, model_cfg: dict, plan: Plan, threads: int, concurrency: int):
         import torch
@@ -110,6 +119,7 @@ class GenerateActor:
                 # this actor is unusable: end it, and Ray Data restarts it and retries the block
                 log.exception("actor %s is broken; exiting so that Ray retries its rows", self.engine.actor_id)
                 os._exit(1)
+        self._note_costs()
         passthrough = batch.drop_columns([c for c in ROW_COLUMNS if c in batch.column_names])
         return output_table(passthrough, rows)
 

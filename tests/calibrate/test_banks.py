@@ -212,6 +212,37 @@ def test_bank_policies_decode_exactly_what_ar_decodes(tiny_model_dirs, tmp_path,
     assert used <= {"n1", "n3", "n5"} and (policy == "entmtp-star" or len(used) > 1), row["tree_usage"]
 
 
+def test_step_costs_not_cached_here_are_measured_after_the_first_row_not_before_it(tiny_model_dirs, tmp_path,
+                                                                                     monkeypatch):
+    """With no cost table on the machine, an engine decodes its first row at the bank's costs (nothing timed before
+    it), measures the costs before its second row, settles, and every row is still AR's tokens; the next engine on
+    the machine reads the table and settles at once."""
+    from entmtp_ray.config import DecodingConfig, ModelConfig
+    from entmtp_ray.decode.costs import costs_dir
+    from helpers.engines import make_engine
+
+    monkeypatch.setenv("ENTMTP_COSTS", str(tmp_path / "costs"))
+    model_dir, heads_dir = tiny_model_dirs
+    model_cfg = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
+    path = tmp_path / "bank.json"
+    save_bank(make_bank(model="tiny-vicuna"), path)
+    reference = make_engine(model_cfg, DecodingConfig(policy="ar", max_new_tokens=24))
+    engine = make_engine(model_cfg, DecodingConfig(policy="entmtp-tau", bank=str(path), max_new_tokens=24))
+    assert engine.decoder.costs_pending and engine.decoder.costs.startswith("step costs the bank's until measured")
+    assert not costs_dir().exists()  # nothing timed before the first row
+    prompts = ["Write a poem.", "Name three colours.", "Count to five."]
+    first = engine.run("r0", prompts[0])
+    assert engine.decoder.costs_pending and not costs_dir().exists()
+    second = engine.run("r1", prompts[1])  # measured before this row
+    assert not engine.decoder.costs_pending and engine.decoder.costs.startswith("step costs measured now (")
+    assert len(list(costs_dir().glob("*.json"))) == 1
+    for row, prompt in zip((first, second, engine.run("r2", prompts[2])), prompts):
+        assert row["error"] is None and row["output_token_ids"] == reference.run("a", prompt)["output_token_ids"]
+    again = make_engine(model_cfg, DecodingConfig(policy="entmtp-tau", bank=str(path), max_new_tokens=24))
+    assert not again.decoder.costs_pending and again.decoder.costs.startswith("step costs cached from ")
+    assert [t.name for t in again.decoder.policy.trees()] == [t.name for t in engine.decoder.policy.trees()]
+
+
 def test_bank_policy_without_task_or_bank_fails_before_loading():
     from entmtp_ray.config import DecodingConfig, ModelConfig
     from entmtp_ray.pipeline.assemble import resolve

@@ -293,6 +293,10 @@ def test_trees_that_cannot_win_at_the_costs_known_are_not_timed(loaded, referenc
     costs = price(lambda: decoder, [one, chain, wide], {"n1": 1.0, "chain4": CONTENDER * 0.99, "w16": 5.0}, table)
     assert set(costs) == {"n1", "w16"} and costs["n1"] == 1.0 and costs["w16"] < 0.5
     assert table.seconds(chain) is None and CostTable.open({"model": "tiny"}, tmp_path).seconds(wide) == costs["w16"]
+    # the table records the tree as weighed (left out), so a later run neither times it nor takes the table as lacking
+    assert table.covers([one, chain, wide]) and CostTable.open({"model": "tiny"}, tmp_path).covers([chain])
+    assert price(lambda: pytest.fail("timed"), [one, chain, wide], {"n1": 1.0, "chain4": CONTENDER * 0.99, "w16": 5.0},
+                 CostTable.open({"model": "tiny"}, tmp_path)) == costs
     # the bound grows with the nodes as the known trees' costs do (half their growth a node): 1 s at one node and
     # 3 s at five make 16 nodes at least 5.75 s, too dear for 2.5 tokens a step beside the root's 1 a second
     grown = CostTable({}, None)
