@@ -140,8 +140,8 @@ class DecodingConfig(SamplingParams):
         "policy reads none, e.g. to relate accepted length to entropy for AR or Hydra's tree; costs one verifier "
         "statistic per step. EntMTP policies that switch trees record it anyway")
     adapt: bool = Field(True, description="the entmtp policies settle on their bank's fastest tree at this "
-                        "machine's step costs (its cost table in $ENTMTP_COSTS, timed at load on first use), and run "
-                        "a smaller tree of the bank (the one-node tree among them) wherever this request's own "
+                        "machine's step costs (its cost table in $ENTMTP_COSTS, timed after the first row on first "
+                        "use), and run a smaller tree of the bank (the one-node tree among them) wherever this request's own "
                         "acceptance says it emits faster, and their own tree again every 16 steps (docs/design.md "
                         "§2); --no-adapt runs the policy's trees as the bank gives them, at its costs")
     max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
