@@ -141,8 +141,8 @@ class DecodingConfig(SamplingParams):
         "statistic per step. EntMTP policies that switch trees record it anyway")
     adapt: bool = Field(True, description="the entmtp policies settle on their bank's fastest tree at this "
                         "machine's step costs (its cost table in $ENTMTP_COSTS, timed after the first row on first "
-                        "use), and run a smaller tree of the bank (the one-node tree among them) wherever this request's own "
-                        "acceptance says it emits faster, and their own tree again every 16 steps (docs/design.md "
+                        "use), and run a smaller tree of the bank (the one-node tree among them) wherever this "
+                        "request's own acceptance says it emits faster, and their own tree again every 16 steps (docs/design.md "
                         "§2); --no-adapt runs the policy's trees as the bank gives them, at its costs")
     max_input_tokens: int = Field(1400, ge=1, description="longer prompts become error rows, not truncated ones")
 

@@ -159,10 +159,10 @@ def price(timer: Callable[[], SpecDecoder], trees: list[Topology], tau: dict[str
     """Seconds a step of each of `trees`, from `table` where it has them; the others that may be chosen timed
     through the decoder `timer` builds (only when one is to be timed) and added to the table. First roughly (2 steps,
     one round), `batch` trees at a time from the fewest nodes up, leaving out a tree that could not come within
-    CONTENDER of the fastest tokens a second (`tau[name]` tokens a step) even at the cost of the dearest smaller tree plus half the growth a node the known trees show
-    beyond it (a step costs more with more nodes); then again with `steps` and `rounds`, those within CONTENDER of
-    the fastest and the one-node tree every adaptive policy falls back to. Trees left out get no cost, and the table
-    records them as left out."""
+    CONTENDER of the fastest tokens a second (`tau[name]` tokens a step) even at the cost of the dearest smaller tree
+    plus half the growth a node the known trees show beyond it (a step costs more with more nodes); then again with
+    `steps` and `rounds`, those within CONTENDER of the fastest and the one-node tree every adaptive policy falls back
+    to. Trees left out get no cost, and the table records them as left out."""
     decoder = functools.cache(timer)
     costs = {t.name: table.seconds(t) for t in trees if table.seconds(t) is not None}
     missing = sorted((t for t in dict.fromkeys(trees) if t.name not in costs), key=lambda t: t.num_nodes)
@@ -216,8 +216,8 @@ def awaiting(policy: Policy, table: CostTable) -> str | None:
         return None
     unknown = sum(table.seconds(t) is None for t in trees)
     where = table.path if table.path is not None else "memory"
-    return (f"step costs the bank's until measured here after the first row ({unknown} of {len(trees)} trees not in "
-            f"{where}): " + ", ".join(f"{t.name} {1e3 * policy.costs[t.name]:.1f} ms"
+    return (f"step costs the bank's until measured here after the first row ({unknown} of {len(trees)} trees not "
+            f"timed in {where}): " + ", ".join(f"{t.name} {1e3 * policy.costs[t.name]:.1f} ms"
                                       for t in sorted(policy.trees(), key=lambda t: policy.costs.get(t.name, 0.0))
                                       if t.name in policy.costs))
 

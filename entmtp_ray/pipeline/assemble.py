@@ -186,7 +186,7 @@ def fixed_plan(decoding: DecodingConfig) -> Plan:
 def check(model_cfg: ModelConfig, decoding: DecodingConfig) -> None:
     """Every check `resolve` makes, for this process's facts, dropping the plan: a broken config fails at once
     (build_processor), before Ray starts or any actor is placed. It decides nothing: the job's plan is resolved once
-    the actors' facts are known (Processor.plan_for_actors)."""
+    the actors' facts are known (Processor.plan)."""
     resolve(model_cfg, decoding)
 
 
