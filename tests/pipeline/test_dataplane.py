@@ -172,6 +172,36 @@ def test_the_named_tasks_stream_through_the_same_plane(ray_local):
     assert sorted(r["id"] for r in sample(read_prompts(prompt_spec("sharegpt", None)), 5, 3).take_all()) == lowest
 
 
+def test_the_driver_resolves_the_plan_once_and_an_actor_builds_from_it_without_resolving(tiny_model_dirs, ray_local,
+                                                                                          monkeypatch):
+    """The plan is decided once, by the driver, for the placed actors; an actor receives it and builds its engine
+    from it (its bank inside it) with no resolution of its own."""
+    from entmtp_ray.config import DecodingConfig, ModelConfig, ProcessorConfig
+    from entmtp_ray.pipeline import assemble
+    from entmtp_ray.pipeline import processor as stage
+    from entmtp_ray.pipeline.placement import ActorPlacement
+
+    model_dir, heads_dir = tiny_model_dirs
+    model = ModelConfig(model=str(model_dir), heads=str(heads_dir), dtype="fp32", device="cpu")
+    processor = stage.Processor(ProcessorConfig(model=model, decoding=DecodingConfig(policy="hydra",
+                                                                                     max_new_tokens=4)))
+    processor.placement = ActorPlacement(gpus=0.0, device="cpu", auto=True)
+    calls, real = [], stage.resolve
+    monkeypatch.setattr(stage, "resolve", lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs))
+    plan = processor.plan
+    assert processor.plan is plan and len(calls) == 1 and calls[0][2].on_gpu is False  # for the placed actors
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a plan resolved outside the driver")
+
+    monkeypatch.setattr(stage, "resolve", refuse)
+    monkeypatch.setattr(assemble, "resolve", refuse)
+    actor = stage.GenerateActor(model.model_dump(), plan, threads=1)  # in this process: no Ray worker to hide it
+    assert actor.engine.plan is plan and actor.engine.decoding == plan.decoding
+    row = actor.engine.run("r", "Write a poem.")
+    assert row["error"] is None and row["policy"] == "hydra" and row["num_output_tokens"] > 0
+
+
 def test_the_actors_dtype_is_asked_of_a_worker_once_when_cpu_actors_pick_it(ray_local):
     """--dtype auto on CPU actors: bf16 where their host has native bf16, else fp32; a Ray task with an actor's
     CPUs asks (this host is the worker here), once per job, and a --dtype given needs no task."""
