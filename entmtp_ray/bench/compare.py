@@ -21,8 +21,7 @@ import torch
 
 from entmtp_ray.calibrate.bank import build_policy
 from entmtp_ray.config import DecodingConfig
-from entmtp_ray.decode.acceptance import greedy_up_to_tie
-from entmtp_ray.decode.acceptance import row_generator
+from entmtp_ray.decode.acceptance import greedy_up_to_tie, row_generator
 from entmtp_ray.decode.results import GenerationResult, StepTrace
 from entmtp_ray.model.kernels import linear, prepare
 from entmtp_ray.model.kv_cache import KVCache

@@ -37,12 +37,11 @@ from entmtp_ray.bench.throughput import BASELINES as THROUGHPUT_BASELINES
 from entmtp_ray.bench.throughput import OURS as THROUGHPUT_OURS
 from entmtp_ray.bench.throughput import HFContinuous, HFStatic, LlamaCppOne, check_greedy, run_all, summarize
 from entmtp_ray.bench.throughput import markdown as throughput_markdown
-from entmtp_ray.calibrate.bank import (current_hardware, load_bank, resolve_bank_path, selection_report,
-                                       warn_if_other_hardware)
+from entmtp_ray.calibrate.bank import (build_policy, current_hardware, load_bank, resolve_bank_path,
+                                       selection_report, warn_if_other_hardware)
 from entmtp_ray.cli import add_config_args, config_from_args, quiet_logging
 from entmtp_ray.config import EMBEDDED_MODEL, DecodingConfig, InputConfig, ModelConfig
 from entmtp_ray.model.loading import available_depth, draft_vocab_for
-from entmtp_ray.calibrate.bank import build_policy
 from entmtp_ray.pipeline.assemble import AUTO_BANK, BANK_POLICIES, actors_here, load_stack, resolve_policy
 from entmtp_ray.pipeline.engine import encode_checked
 from entmtp_ray.pipeline.tasks import load_prompts

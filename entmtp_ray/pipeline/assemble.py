@@ -229,15 +229,10 @@ class Stack:
         if self.step_costs is None:
             self.step_costs = CostTable.open(cost_key(self))
         pending = awaiting(policy, self.step_costs) if defer_costs else None
-        if pending is not None:
-            decoder = build(policy.trees())
-            decoder.costs, decoder.costs_pending = pending, True
-            log.info("%s: %s", policy.name, pending)
-            return decoder
-        costs = measure_costs(policy, lambda: build([*policy.trees(), *policy.homes]), self.step_costs)
+        costs = pending or measure_costs(policy, lambda: build([*policy.trees(), *policy.homes]), self.step_costs)
         log.info("%s: %s", policy.name, costs)
-        decoder = build(policy.trees())  # the trees it settled on
-        decoder.costs = costs
+        decoder = build(policy.trees())  # the trees it settled on (the bank's, while its costs are pending)
+        decoder.costs, decoder.costs_pending = costs, pending is not None
         return decoder
 
 

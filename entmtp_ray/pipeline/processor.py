@@ -53,6 +53,7 @@ class GenerateActor:
 
         # this actor's start-up timeline (unix seconds by phase), reported to the job's JobLedger when given
         self.ledger, self.marks = ledger, {"process_up": psutil.Process().create_time(), "init": time.time()}
+        self.noted: str | None = None  # the step costs' line last reported to the ledger
         self.torch_thread = None
         if concurrency > 1:
             # Ray runs up to K calls of this actor at once, on threads of its own; each hands its row to the engine's
@@ -70,7 +71,6 @@ class GenerateActor:
             actor = ray.get_runtime_context().get_actor_id()
             self.ledger.started.remote(actor, dict(self.marks))
         if phase == "ready":
-            self.noted = None
             self._note_costs()
 
     def _note_costs(self) -> None:
