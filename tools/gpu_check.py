@@ -617,7 +617,10 @@ def peer_stage(args, device, record: Record) -> None:
     rows: dict = {}
 
     def put(name: str, ms: float | None) -> None:
-        rows[name] = ({"ms_per_token": ms, "tokens_per_s": round(1000 / ms, 1), "floor_share": round(floor_ms / ms, 3)}
+        # the floor's share to 3 significant figures: on the CPU's scaled-down model the floor is microseconds, and a
+        # slow row's share rounded to 3 decimals read 0
+        rows[name] = ({"ms_per_token": ms, "tokens_per_s": round(1000 / ms, 1),
+                       "floor_share": float(f"{floor_ms / ms:.3g}")}
                       if ms is not None else {"skipped": "every run finished at its prefill: no decoding step to time"})
         record.put("rows", rows)
 
